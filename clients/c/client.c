@@ -1,0 +1,1035 @@
+/* C client library of pullbackd: connection, framing, reply queue and the
+ * msgpack helpers declared in pullbackd.h.
+ *
+ * Sending: a request is packed into the client's send buffer (the packer
+ * writes through client_pack_write, which turns an allocation failure into a
+ * sticky error reported by the send) and written in one go.  While writing,
+ * the client also reads whatever the daemon sends back, so that a client
+ * pipelining many requests without reading cannot deadlock against a daemon
+ * blocked on writing the replies.
+ *
+ * Receiving: bytes go into a msgpack_unpacker, which frames messages
+ * incrementally.  Each complete message comes out with its own zone; str and
+ * bin payloads point into the unpacker's buffer, which the zone keeps alive
+ * by reference count, so a reply stays valid however much is read after it.
+ * Replies read while looking for another msgid wait in a FIFO queue. */
+#define _GNU_SOURCE
+#include "pullbackd.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+/* How much room to make in the receive buffer before each read. */
+#define CLIENT_READ_CHUNK (64 * 1024)
+/* A send buffer larger than this after a request is freed rather than kept
+ * for the next one, so one big tensor does not pin its memory forever. */
+#define CLIENT_KEEP_SBUF (1024 * 1024)
+
+enum client_begun { BEGUN_NONE, BEGUN_REQUEST, BEGUN_NOTIFY };
+
+/* Ownership: the client owns fd, the send buffer, the unpacker (and with it
+ * the read buffer, shared by reference count with the replies it produced)
+ * and the queued replies.  Replies handed out belong to the caller. */
+struct pb_client {
+    int fd;
+    uint32_t next_msgid; /* never 0 */
+
+    msgpack_sbuffer out;
+    msgpack_packer pk;   /* writes into out through client_pack_write */
+    int pack_err;        /* first packing failure since the last begin */
+    int begun;           /* enum client_begun */
+    uint32_t begun_msgid;
+    size_t params_off;   /* offset in out where the params map starts */
+
+    msgpack_unpacker unp;
+    bool eof;            /* the daemon closed its end */
+    int broken;          /* sticky receive error (-EPROTO, -ENOMEM) or 0 */
+
+    pb_reply_t *queue;   /* FIFO of replies read but not yet returned */
+    size_t qlen, qcap;
+};
+
+/* ---- Small helpers ----------------------------------------------------- */
+
+static int client_pack_write(void *data, const char *buf, size_t len)
+{
+    pb_client_t *c = data;
+
+    if (c->pack_err != 0)
+        return -1;
+    if (len == 0)
+        return 0;
+    if (msgpack_sbuffer_write(&c->out, buf, len) != 0) {
+        c->pack_err = -ENOMEM;
+        return -1;
+    }
+    return 0;
+}
+
+static void client_discard(pb_client_t *c)
+{
+    if (c->out.alloc > CLIENT_KEEP_SBUF) {
+        msgpack_sbuffer_destroy(&c->out);
+        msgpack_sbuffer_init(&c->out);
+    }
+    c->out.size = 0;
+    c->pack_err = 0;
+    c->begun = BEGUN_NONE;
+}
+
+/* Milliseconds left until deadline (CLOCK_MONOTONIC), for poll(). */
+static int ms_left(const struct timespec *deadline)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    long long ms = (long long)(deadline->tv_sec - now.tv_sec) * 1000 +
+                   (deadline->tv_nsec - now.tv_nsec) / 1000000;
+    if (ms < 0)
+        return 0;
+    return ms > INT_MAX ? INT_MAX : (int)ms;
+}
+
+/* ---- Socket path and connection --------------------------------------- */
+
+/* Write dir (dirlen bytes) followed by suffix into buf, all or nothing. */
+static int path_put(char *buf, size_t len, const char *dir, size_t dirlen, const char *suffix)
+{
+    size_t slen = strlen(suffix);
+    if (dirlen > SIZE_MAX - slen - 1 || dirlen + slen + 1 > len)
+        return -ENAMETOOLONG;
+    memcpy(buf, dir, dirlen);
+    memcpy(buf + dirlen, suffix, slen + 1);
+    return 0;
+}
+
+static const char *env_nonempty(const char *name)
+{
+    const char *v = getenv(name);
+    return v != NULL && v[0] != '\0' ? v : NULL;
+}
+
+int pb_client_socket_path(char *buf, size_t len)
+{
+    const char *v;
+
+    if (buf == NULL)
+        return -EINVAL;
+    if ((v = env_nonempty("PULLBACKD_SOCKET")) != NULL)
+        return path_put(buf, len, v, strlen(v), "");
+    if ((v = env_nonempty("RUNTIME_DIRECTORY")) != NULL) {
+        /* systemd joins several RuntimeDirectory= entries with ':'. */
+        const char *colon = strchr(v, ':');
+        size_t n = colon != NULL ? (size_t)(colon - v) : strlen(v);
+        if (n > 0)
+            return path_put(buf, len, v, n, "/pullbackd.sock");
+    }
+    if ((v = env_nonempty("XDG_RUNTIME_DIR")) != NULL)
+        return path_put(buf, len, v, strlen(v), "/pullbackd.sock");
+
+    char tmp[64];
+    int n = snprintf(tmp, sizeof tmp, "/tmp/pullbackd-%lu.sock", (unsigned long)getuid());
+    if (n < 0 || (size_t)n >= sizeof tmp)
+        return -ENAMETOOLONG;
+    return path_put(buf, len, tmp, (size_t)n, "");
+}
+
+/* A blocking connect() interrupted by a signal goes on in the background;
+ * wait for it and collect its result. */
+static int connect_finish(int fd)
+{
+    for (;;) {
+        struct pollfd pfd = { .fd = fd, .events = POLLOUT };
+        if (poll(&pfd, 1, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        int err = 0;
+        socklen_t elen = sizeof err;
+        if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &elen) < 0)
+            return -errno;
+        return -err;
+    }
+}
+
+int pb_client_connect(const char *path, pb_client_t **out)
+{
+    char def[sizeof(((struct sockaddr_un *)0)->sun_path)];
+    struct sockaddr_un sa;
+    int rc;
+
+    if (out == NULL)
+        return -EINVAL;
+    if (path == NULL) {
+        rc = pb_client_socket_path(def, sizeof def);
+        if (rc < 0)
+            return rc;
+        path = def;
+    }
+    size_t plen = strlen(path);
+    if (plen == 0)
+        return -EINVAL;
+    if (plen >= sizeof sa.sun_path)
+        return -ENAMETOOLONG;
+    memset(&sa, 0, sizeof sa);
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, path, plen + 1);
+
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -errno;
+    if (connect(fd, (const struct sockaddr *)&sa, sizeof sa) < 0) {
+        rc = errno == EINTR ? connect_finish(fd) : -errno;
+        if (rc < 0) {
+            close(fd);
+            return rc;
+        }
+    }
+    return pb_client_from_fd(fd, out);
+}
+
+int pb_client_from_fd(int fd, pb_client_t **out)
+{
+    if (fd < 0)
+        return -EBADF;
+    if (out == NULL) {
+        close(fd);
+        return -EINVAL;
+    }
+    pb_client_t *c = calloc(1, sizeof *c);
+    if (c == NULL) {
+        close(fd);
+        return -ENOMEM;
+    }
+    if (!msgpack_unpacker_init(&c->unp, CLIENT_READ_CHUNK)) {
+        free(c);
+        close(fd);
+        return -ENOMEM;
+    }
+    c->fd = fd;
+    c->next_msgid = 1;
+    msgpack_sbuffer_init(&c->out);
+    msgpack_packer_init(&c->pk, c, client_pack_write);
+    *out = c;
+    return 0;
+}
+
+void pb_client_close(pb_client_t *c)
+{
+    if (c == NULL)
+        return;
+    for (size_t i = 0; i < c->qlen; i++)
+        pb_reply_free(&c->queue[i]);
+    free(c->queue);
+    msgpack_unpacker_destroy(&c->unp);
+    msgpack_sbuffer_destroy(&c->out);
+    close(c->fd);
+    free(c);
+}
+
+int pb_client_fd(const pb_client_t *c)
+{
+    return c != NULL ? c->fd : -EINVAL;
+}
+
+/* ---- Reading ----------------------------------------------------------- */
+
+/* One recv() into the unpacker.  1 when bytes came, 0 at end of stream
+ * (eof is then set), -EAGAIN when nothing was there, or -errno. */
+static int client_fill(pb_client_t *c)
+{
+    if (!msgpack_unpacker_reserve_buffer(&c->unp, CLIENT_READ_CHUNK)) {
+        c->broken = -ENOMEM;
+        return -ENOMEM;
+    }
+    for (;;) {
+        ssize_t r = recv(c->fd, msgpack_unpacker_buffer(&c->unp),
+                         msgpack_unpacker_buffer_capacity(&c->unp), MSG_DONTWAIT);
+        if (r > 0) {
+            msgpack_unpacker_buffer_consumed(&c->unp, (size_t)r);
+            return 1;
+        }
+        if (r == 0) {
+            c->eof = true;
+            return 0;
+        }
+        if (errno == EINTR)
+            continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK)
+            return -EAGAIN;
+        if (errno == ECONNRESET) {
+            c->eof = true;
+            return 0;
+        }
+        return -errno;
+    }
+}
+
+static const char *zone_strdup(msgpack_zone *z, const msgpack_object *o)
+{
+    const char *src = "";
+    size_t n = 0;
+    if (o != NULL && o->type == MSGPACK_OBJECT_STR) {
+        src = o->via.str.ptr;
+        n = o->via.str.size;
+    }
+    char *s = msgpack_zone_malloc(z, n + 1);
+    if (s == NULL)
+        return NULL;
+    if (n > 0)
+        memcpy(s, src, n);
+    s[n] = '\0';
+    return s;
+}
+
+/* Check that up holds a msgpack-RPC response and move it into out. */
+static int reply_take(msgpack_unpacked *up, pb_reply_t *out)
+{
+    const msgpack_object *o = &up->data;
+
+    if (o->type != MSGPACK_OBJECT_ARRAY || o->via.array.size != 4)
+        return -EPROTO;
+    const msgpack_object *a = o->via.array.ptr;
+    if (a[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER || a[0].via.u64 != 1)
+        return -EPROTO;
+    if (a[1].type != MSGPACK_OBJECT_POSITIVE_INTEGER || a[1].via.u64 > UINT32_MAX)
+        return -EPROTO;
+    bool has_err = a[2].type != MSGPACK_OBJECT_NIL;
+    bool has_res = a[3].type != MSGPACK_OBJECT_NIL;
+    if (has_err == has_res)
+        return -EPROTO;
+
+    pb_reply_t r = { 0 };
+    r.msgid = (uint32_t)a[1].via.u64;
+    if (has_err) {
+        r.error = &a[2];
+        r.code_ = zone_strdup(up->zone, pb_obj_get(r.error, "code"));
+        r.message_ = zone_strdup(up->zone, pb_obj_get(r.error, "message"));
+        if (r.code_ == NULL || r.message_ == NULL)
+            return -ENOMEM;
+    } else {
+        r.result = &a[3];
+    }
+    r.up = *up;
+    msgpack_unpacked_init(up);
+    *out = r;
+    return 0;
+}
+
+/* Frame one message from what has been read.  1 with *out filled, 0 when
+ * more bytes are needed, or a negative code. */
+static int client_parse(pb_client_t *c, pb_reply_t *out)
+{
+    msgpack_unpacked up;
+    int rc;
+
+    if (c->broken != 0)
+        return c->broken;
+    msgpack_unpacked_init(&up);
+    switch (msgpack_unpacker_next(&c->unp, &up)) {
+    case MSGPACK_UNPACK_SUCCESS:
+        /* The message is framed, so the stream stays in step even when it
+         * is not a response. */
+        rc = reply_take(&up, out);
+        msgpack_unpacked_destroy(&up);
+        return rc < 0 ? rc : 1;
+    case MSGPACK_UNPACK_CONTINUE:
+        return 0;
+    case MSGPACK_UNPACK_NOMEM_ERROR:
+        c->broken = -ENOMEM;
+        return -ENOMEM;
+    default:
+        c->broken = -EPROTO;
+        return -EPROTO;
+    }
+}
+
+/* The next reply from the socket (not the queue).  timeout_ms < 0 waits
+ * forever. */
+static int client_read_reply(pb_client_t *c, pb_reply_t *out, int timeout_ms)
+{
+    struct timespec deadline;
+
+    if (timeout_ms >= 0) {
+        clock_gettime(CLOCK_MONOTONIC, &deadline);
+        deadline.tv_sec += timeout_ms / 1000;
+        deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (deadline.tv_nsec >= 1000000000L) {
+            deadline.tv_sec++;
+            deadline.tv_nsec -= 1000000000L;
+        }
+    }
+    for (;;) {
+        int rc = client_parse(c, out);
+        if (rc != 0)
+            return rc < 0 ? rc : 0;
+        if (c->eof)
+            return -EPIPE;
+
+        struct pollfd pfd = { .fd = c->fd, .events = POLLIN };
+        int wait = timeout_ms < 0 ? -1 : ms_left(&deadline);
+        int n = poll(&pfd, 1, wait);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (n == 0)
+            return -ETIMEDOUT;
+        if (pfd.revents & POLLNVAL)
+            return -EBADF;
+        rc = client_fill(c);
+        if (rc < 0 && rc != -EAGAIN)
+            return rc;
+    }
+}
+
+static int queue_push(pb_client_t *c, pb_reply_t *r)
+{
+    if (c->qlen == c->qcap) {
+        size_t ncap = c->qcap ? c->qcap * 2 : 8;
+        pb_reply_t *q = realloc(c->queue, ncap * sizeof *q);
+        if (q == NULL)
+            return -ENOMEM;
+        c->queue = q;
+        c->qcap = ncap;
+    }
+    c->queue[c->qlen++] = *r;
+    return 0;
+}
+
+static void queue_take(pb_client_t *c, size_t i, pb_reply_t *out)
+{
+    *out = c->queue[i];
+    memmove(&c->queue[i], &c->queue[i + 1], (c->qlen - i - 1) * sizeof *c->queue);
+    c->qlen--;
+}
+
+int pb_client_recv_timeout(pb_client_t *c, pb_reply_t *out, int timeout_ms)
+{
+    if (c == NULL || out == NULL)
+        return -EINVAL;
+    if (c->qlen > 0) {
+        queue_take(c, 0, out);
+        return 0;
+    }
+    return client_read_reply(c, out, timeout_ms);
+}
+
+int pb_client_recv(pb_client_t *c, pb_reply_t *out)
+{
+    return pb_client_recv_timeout(c, out, -1);
+}
+
+bool pb_client_pending(pb_client_t *c)
+{
+    pb_reply_t r;
+
+    if (c == NULL)
+        return false;
+    if (c->qlen > 0)
+        return true;
+    if (client_parse(c, &r) != 1)
+        return false;
+    if (queue_push(c, &r) < 0) {
+        pb_reply_free(&r);
+        return false;
+    }
+    return true;
+}
+
+int pb_client_wait(pb_client_t *c, uint32_t msgid, pb_reply_t *out)
+{
+    if (c == NULL || out == NULL)
+        return -EINVAL;
+    for (size_t i = 0; i < c->qlen; i++) {
+        if (c->queue[i].msgid == msgid) {
+            queue_take(c, i, out);
+            return 0;
+        }
+    }
+    for (;;) {
+        pb_reply_t r;
+        int rc = client_read_reply(c, &r, -1);
+        if (rc < 0)
+            return rc;
+        if (r.msgid == msgid) {
+            *out = r;
+            return 0;
+        }
+        rc = queue_push(c, &r);
+        if (rc < 0) {
+            pb_reply_free(&r);
+            return rc;
+        }
+    }
+}
+
+void pb_reply_free(pb_reply_t *r)
+{
+    if (r == NULL)
+        return;
+    msgpack_unpacked_destroy(&r->up);
+    memset(r, 0, sizeof *r);
+}
+
+const char *pb_reply_code(const pb_reply_t *r)
+{
+    return r != NULL && r->error != NULL ? r->code_ : NULL;
+}
+
+const char *pb_reply_message(const pb_reply_t *r)
+{
+    return r != NULL && r->error != NULL ? r->message_ : NULL;
+}
+
+/* ---- Writing ----------------------------------------------------------- */
+
+static ssize_t send_with_fd(int sock, const char *p, size_t n, int fd)
+{
+    union {
+        struct cmsghdr h;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    struct iovec iov = { .iov_base = (void *)p, .iov_len = n };
+    struct msghdr msg = { 0 };
+
+    memset(&ctl, 0, sizeof ctl);
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctl.buf;
+    msg.msg_controllen = sizeof ctl.buf;
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+    return sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
+/* Write all n bytes, reading replies that arrive meanwhile.  pass_fd >= 0
+ * rides on the first bytes written. */
+static int client_write(pb_client_t *c, const char *p, size_t n, int pass_fd)
+{
+    while (n > 0) {
+        struct pollfd pfd = { .fd = c->fd, .events = POLLOUT };
+        if (!c->eof && c->broken == 0)
+            pfd.events |= POLLIN;
+        if (poll(&pfd, 1, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            return -errno;
+        }
+        if (pfd.revents & POLLNVAL)
+            return -EBADF;
+        if (pfd.revents & POLLIN) {
+            int rc = client_fill(c);
+            if (rc == -ENOMEM)
+                return rc;
+            if (rc < 0 && rc != -EAGAIN)
+                c->eof = true; /* the write below reports the failure */
+        }
+        if (pfd.revents & (POLLOUT | POLLERR | POLLHUP)) {
+            ssize_t w = pass_fd >= 0 ? send_with_fd(c->fd, p, n, pass_fd)
+                                     : send(c->fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (w < 0) {
+                if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
+                    continue;
+                return errno == ECONNRESET ? -EPIPE : -errno;
+            }
+            pass_fd = -1;
+            p += w;
+            n -= (size_t)w;
+        }
+    }
+    return 0;
+}
+
+static msgpack_packer *client_begin(pb_client_t *c, const char *method, int kind)
+{
+    if (c == NULL || method == NULL)
+        return NULL;
+    client_discard(c);
+    if (kind == BEGUN_REQUEST) {
+        c->begun_msgid = c->next_msgid++;
+        if (c->next_msgid == 0)
+            c->next_msgid = 1;
+        msgpack_pack_array(&c->pk, 4);
+        msgpack_pack_int(&c->pk, 0);
+        msgpack_pack_uint32(&c->pk, c->begun_msgid);
+    } else {
+        msgpack_pack_array(&c->pk, 3);
+        msgpack_pack_int(&c->pk, 2);
+    }
+    pb_pack_str(&c->pk, method);
+    msgpack_pack_array(&c->pk, 1);
+    c->params_off = c->out.size;
+    c->begun = kind;
+    return &c->pk;
+}
+
+msgpack_packer *pb_client_begin(pb_client_t *c, const char *method)
+{
+    return client_begin(c, method, BEGUN_REQUEST);
+}
+
+msgpack_packer *pb_client_begin_notify(pb_client_t *c, const char *method)
+{
+    return client_begin(c, method, BEGUN_NOTIFY);
+}
+
+/* The caller must have packed exactly one complete map after the header. */
+static int client_check_params(pb_client_t *c)
+{
+    msgpack_unpacked up;
+    size_t off = 0;
+    size_t len = c->out.size - c->params_off;
+    int rc;
+
+    if (c->pack_err != 0)
+        return c->pack_err;
+    if (len == 0)
+        return -EINVAL;
+    msgpack_unpacked_init(&up);
+    switch (msgpack_unpack_next(&up, c->out.data + c->params_off, len, &off)) {
+    case MSGPACK_UNPACK_SUCCESS:
+        rc = up.data.type == MSGPACK_OBJECT_MAP && off == len ? 0 : -EINVAL;
+        break;
+    case MSGPACK_UNPACK_NOMEM_ERROR:
+        rc = -ENOMEM;
+        break;
+    default:
+        rc = -EINVAL;
+        break;
+    }
+    msgpack_unpacked_destroy(&up);
+    return rc;
+}
+
+static int client_send(pb_client_t *c, int kind, int pass_fd, uint32_t *msgid_out)
+{
+    if (c == NULL)
+        return -EINVAL;
+    if (c->begun != kind) {
+        client_discard(c);
+        return -EINVAL;
+    }
+    int rc = client_check_params(c);
+    if (rc == 0)
+        rc = client_write(c, c->out.data, c->out.size, pass_fd);
+    uint32_t id = c->begun_msgid;
+    client_discard(c);
+    if (rc == 0 && msgid_out != NULL)
+        *msgid_out = id;
+    return rc;
+}
+
+int pb_client_send(pb_client_t *c, uint32_t *msgid_out)
+{
+    return client_send(c, BEGUN_REQUEST, -1, msgid_out);
+}
+
+int pb_client_send_with_fd(pb_client_t *c, int fd, uint32_t *msgid_out)
+{
+    if (fd < 0)
+        return -EBADF;
+    return client_send(c, BEGUN_REQUEST, fd, msgid_out);
+}
+
+int pb_client_send_notify(pb_client_t *c)
+{
+    return client_send(c, BEGUN_NOTIFY, -1, NULL);
+}
+
+int pb_client_send_raw(pb_client_t *c, const void *buf, size_t len)
+{
+    if (c == NULL || (buf == NULL && len > 0))
+        return -EINVAL;
+    return client_write(c, buf, len, -1);
+}
+
+int pb_client_call(pb_client_t *c, pb_reply_t *out)
+{
+    uint32_t id;
+
+    if (c == NULL || out == NULL)
+        return -EINVAL;
+    int rc = pb_client_send(c, &id);
+    if (rc < 0)
+        return rc;
+    return pb_client_wait(c, id, out);
+}
+
+/* ---- Objects ----------------------------------------------------------- */
+
+static const msgpack_object *obj_get_n(const msgpack_object *map, const char *key, size_t klen)
+{
+    if (map == NULL || map->type != MSGPACK_OBJECT_MAP)
+        return NULL;
+    for (uint32_t i = 0; i < map->via.map.size; i++) {
+        const msgpack_object *k = &map->via.map.ptr[i].key;
+        if (k->type == MSGPACK_OBJECT_STR && k->via.str.size == klen &&
+            (klen == 0 || memcmp(k->via.str.ptr, key, klen) == 0))
+            return &map->via.map.ptr[i].val;
+    }
+    return NULL;
+}
+
+const msgpack_object *pb_obj_get(const msgpack_object *map, const char *key)
+{
+    if (key == NULL)
+        return NULL;
+    return obj_get_n(map, key, strlen(key));
+}
+
+/* A segment of decimal digits as an index; false if it is not one. */
+static bool parse_index(const char *s, size_t n, uint32_t *out)
+{
+    uint64_t v = 0;
+    if (n == 0)
+        return false;
+    for (size_t i = 0; i < n; i++) {
+        if (s[i] < '0' || s[i] > '9')
+            return false;
+        v = v * 10 + (uint64_t)(s[i] - '0');
+        if (v > UINT32_MAX)
+            return false;
+    }
+    *out = (uint32_t)v;
+    return true;
+}
+
+const msgpack_object *pb_obj_path(const msgpack_object *root, const char *dotted)
+{
+    const msgpack_object *cur = root;
+
+    if (root == NULL || dotted == NULL)
+        return NULL;
+    if (dotted[0] == '\0')
+        return root;
+    const char *seg = dotted;
+    for (;;) {
+        const char *dot = strchr(seg, '.');
+        size_t n = dot != NULL ? (size_t)(dot - seg) : strlen(seg);
+        uint32_t idx;
+        if (cur->type == MSGPACK_OBJECT_MAP)
+            cur = obj_get_n(cur, seg, n);
+        else if (cur->type == MSGPACK_OBJECT_ARRAY && parse_index(seg, n, &idx))
+            cur = idx < cur->via.array.size ? &cur->via.array.ptr[idx] : NULL;
+        else
+            cur = NULL;
+        if (cur == NULL || dot == NULL)
+            return cur;
+        seg = dot + 1;
+    }
+}
+
+int pb_obj_int(const msgpack_object *o, int64_t *out)
+{
+    if (o == NULL || out == NULL)
+        return -EINVAL;
+    if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER) {
+        if (o->via.u64 > INT64_MAX)
+            return -ERANGE;
+        *out = (int64_t)o->via.u64;
+        return 0;
+    }
+    if (o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER) {
+        *out = o->via.i64;
+        return 0;
+    }
+    return -EINVAL;
+}
+
+int pb_obj_uint(const msgpack_object *o, uint64_t *out)
+{
+    if (o == NULL || out == NULL)
+        return -EINVAL;
+    if (o->type == MSGPACK_OBJECT_POSITIVE_INTEGER) {
+        *out = o->via.u64;
+        return 0;
+    }
+    if (o->type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
+        return -ERANGE;
+    return -EINVAL;
+}
+
+int pb_obj_double(const msgpack_object *o, double *out)
+{
+    if (o == NULL || out == NULL)
+        return -EINVAL;
+    switch (o->type) {
+    case MSGPACK_OBJECT_FLOAT32:
+    case MSGPACK_OBJECT_FLOAT64:
+        *out = o->via.f64;
+        return 0;
+    case MSGPACK_OBJECT_POSITIVE_INTEGER:
+        *out = (double)o->via.u64;
+        return 0;
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER:
+        *out = (double)o->via.i64;
+        return 0;
+    default:
+        return -EINVAL;
+    }
+}
+
+int pb_obj_bool(const msgpack_object *o, bool *out)
+{
+    if (o == NULL || out == NULL || o->type != MSGPACK_OBJECT_BOOLEAN)
+        return -EINVAL;
+    *out = o->via.boolean;
+    return 0;
+}
+
+int pb_obj_strcmp(const msgpack_object *o, const char *s)
+{
+    if (o == NULL || s == NULL || o->type != MSGPACK_OBJECT_STR)
+        return -1;
+    size_t n = strlen(s);
+    size_t m = o->via.str.size;
+    int r = memcmp(o->via.str.ptr, s, m < n ? m : n);
+    if (r != 0)
+        return r;
+    return m < n ? -1 : m > n ? 1 : 0;
+}
+
+/* ---- Tensors ----------------------------------------------------------- */
+
+static const struct {
+    const char *name;
+    size_t itemsize;
+    size_t width;      /* bytes of one real component */
+} dtypes[] = {
+    { "f32", 4, 4 },
+    { "f64", 8, 8 },
+    { "c64", 8, 4 },
+    { "c128", 16, 8 },
+};
+#define NDTYPES (sizeof dtypes / sizeof dtypes[0])
+
+static int dtype_find(const char *s, size_t n)
+{
+    for (size_t i = 0; i < NDTYPES; i++)
+        if (strlen(dtypes[i].name) == n && memcmp(dtypes[i].name, s, n) == 0)
+            return (int)i;
+    return -1;
+}
+
+size_t pb_ctensor_itemsize(const char *dtype)
+{
+    int i = dtype != NULL ? dtype_find(dtype, strlen(dtype)) : -1;
+    return i < 0 ? 0 : dtypes[i].itemsize;
+}
+
+size_t pb_ctensor_count(const pb_ctensor_t *t)
+{
+    if (t == NULL || t->rank < 0 || t->rank > PB_CTENSOR_MAX_RANK)
+        return SIZE_MAX;
+    size_t n = 1;
+    for (int i = 0; i < t->rank; i++) {
+        if (t->shape[i] > SIZE_MAX)
+            return SIZE_MAX;
+        size_t d = (size_t)t->shape[i];
+        if (d != 0 && n > (SIZE_MAX - 1) / d)
+            return SIZE_MAX;
+        n *= d;
+    }
+    return n;
+}
+
+void pb_pack_str(msgpack_packer *pk, const char *s)
+{
+    if (s == NULL) {
+        msgpack_pack_nil(pk);
+        return;
+    }
+    size_t n = strlen(s);
+    msgpack_pack_str(pk, n);
+    msgpack_pack_str_body(pk, s, n);
+}
+
+void pb_pack_kv_str(msgpack_packer *pk, const char *key, const char *val)
+{
+    pb_pack_str(pk, key);
+    pb_pack_str(pk, val);
+}
+
+void pb_pack_tensor(msgpack_packer *pk, const pb_ctensor_t *t)
+{
+    if (pk == NULL)
+        return;
+    if (t == NULL) {
+        msgpack_pack_nil(pk);
+        return;
+    }
+    int rank = t->rank < 0 ? 0 : t->rank > PB_CTENSOR_MAX_RANK ? PB_CTENSOR_MAX_RANK : t->rank;
+    bool has_order = t->order == 'C' || t->order == 'F';
+
+    msgpack_pack_map(pk, (t->shm ? 4 : 3) + (has_order ? 1 : 0));
+    pb_pack_kv_str(pk, "dtype", t->dtype);
+    pb_pack_str(pk, "shape");
+    msgpack_pack_array(pk, (size_t)rank);
+    for (int i = 0; i < rank; i++)
+        msgpack_pack_uint64(pk, t->shape[i]);
+    if (has_order)
+        pb_pack_kv_str(pk, "order", t->order == 'F' ? "F" : "C");
+    if (t->shm) {
+        pb_pack_str(pk, "buffer");
+        msgpack_pack_uint64(pk, t->buffer);
+        pb_pack_str(pk, "offset");
+        msgpack_pack_uint64(pk, t->offset);
+    } else {
+        /* NULL data packs an empty bin whatever nbytes says. */
+        size_t n = t->data != NULL ? t->nbytes : 0;
+        pb_pack_str(pk, "data");
+        msgpack_pack_bin(pk, n);
+        if (n > 0)
+            msgpack_pack_bin_body(pk, t->data, n);
+    }
+}
+
+int pb_obj_tensor(const msgpack_object *o, pb_ctensor_t *out)
+{
+    pb_ctensor_t t;
+
+    if (o == NULL || out == NULL || o->type != MSGPACK_OBJECT_MAP)
+        return -EINVAL;
+    memset(&t, 0, sizeof t);
+
+    const msgpack_object *dt = pb_obj_get(o, "dtype");
+    if (dt == NULL || dt->type != MSGPACK_OBJECT_STR)
+        return -EINVAL;
+    int di = dtype_find(dt->via.str.ptr, dt->via.str.size);
+    if (di < 0)
+        return -EINVAL;
+    t.dtype = dtypes[di].name;
+
+    const msgpack_object *sh = pb_obj_get(o, "shape");
+    if (sh == NULL || sh->type != MSGPACK_OBJECT_ARRAY || sh->via.array.size > PB_CTENSOR_MAX_RANK)
+        return -EINVAL;
+    t.rank = (int)sh->via.array.size;
+    for (int i = 0; i < t.rank; i++) {
+        if (pb_obj_uint(&sh->via.array.ptr[i], &t.shape[i]) < 0)
+            return -EINVAL;
+    }
+
+    const msgpack_object *ord = pb_obj_get(o, "order");
+    if (ord == NULL)
+        t.order = 'C';
+    else if (pb_obj_strcmp(ord, "C") == 0)
+        t.order = 'C';
+    else if (pb_obj_strcmp(ord, "F") == 0)
+        t.order = 'F';
+    else
+        return -EINVAL;
+
+    size_t count = pb_ctensor_count(&t);
+    if (count == SIZE_MAX || (count != 0 && count > SIZE_MAX / dtypes[di].itemsize))
+        return -EINVAL;
+    size_t nbytes = count * dtypes[di].itemsize;
+
+    const msgpack_object *data = pb_obj_get(o, "data");
+    if (data != NULL) {
+        if (data->type != MSGPACK_OBJECT_BIN || data->via.bin.size != nbytes)
+            return -EINVAL;
+        t.data = data->via.bin.ptr;
+    } else {
+        if (pb_obj_uint(pb_obj_get(o, "buffer"), &t.buffer) < 0 ||
+            pb_obj_uint(pb_obj_get(o, "offset"), &t.offset) < 0)
+            return -EINVAL;
+        t.shm = true;
+    }
+    t.nbytes = nbytes;
+    *out = t;
+    return 0;
+}
+
+/* Decode one little-endian component of width 4 or 8 bytes. */
+static double load_le(const unsigned char *p, size_t width)
+{
+    if (width == 4) {
+        uint32_t u = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                     (uint32_t)p[3] << 24;
+        float f;
+        memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    uint64_t u = 0;
+    for (int i = 7; i >= 0; i--)
+        u = u << 8 | p[i];
+    double d;
+    memcpy(&d, &u, sizeof d);
+    return d;
+}
+
+/* Validate t for copying into an array of n components of out_width bytes:
+ * the component width of t's dtype in *width and the count in *slots. */
+static int copy_check(const pb_ctensor_t *t, size_t n, size_t *width, size_t *slots)
+{
+    if (t == NULL || t->shm || t->dtype == NULL)
+        return -EINVAL;
+    int di = dtype_find(t->dtype, strlen(t->dtype));
+    if (di < 0)
+        return -EINVAL;
+    size_t count = pb_ctensor_count(t);
+    size_t per = dtypes[di].itemsize / dtypes[di].width;
+    if (count == SIZE_MAX || (count != 0 && count > SIZE_MAX / dtypes[di].itemsize))
+        return -EINVAL;
+    if (t->nbytes < count * dtypes[di].itemsize || (count > 0 && t->data == NULL))
+        return -EINVAL;
+    if (n < count * per)
+        return -ENOBUFS;
+    *width = dtypes[di].width;
+    *slots = count * per;
+    return 0;
+}
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define HOST_LE 1
+#else
+#define HOST_LE 0
+#endif
+
+int pb_ctensor_copy_f64(const pb_ctensor_t *t, double *out, size_t n)
+{
+    size_t width, slots;
+    int rc = copy_check(t, n, &width, &slots);
+    if (rc < 0)
+        return rc;
+    if (out == NULL && slots > 0)
+        return -EINVAL;
+    if (HOST_LE && width == sizeof(double)) {
+        if (slots > 0)
+            memcpy(out, t->data, slots * sizeof(double));
+        return 0;
+    }
+    for (size_t i = 0; i < slots; i++)
+        out[i] = load_le((const unsigned char *)t->data + i * width, width);
+    return 0;
+}
+
+int pb_ctensor_copy_f32(const pb_ctensor_t *t, float *out, size_t n)
+{
+    size_t width, slots;
+    int rc = copy_check(t, n, &width, &slots);
+    if (rc < 0)
+        return rc;
+    if (out == NULL && slots > 0)
+        return -EINVAL;
+    if (HOST_LE && width == sizeof(float)) {
+        if (slots > 0)
+            memcpy(out, t->data, slots * sizeof(float));
+        return 0;
+    }
+    for (size_t i = 0; i < slots; i++)
+        out[i] = (float)load_le((const unsigned char *)t->data + i * width, width);
+    return 0;
+}

@@ -1,0 +1,395 @@
+/* Connections: reading and framing, back-pressure, batched replies. */
+#define _GNU_SOURCE /* struct ucred */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
+
+#include "log.h"
+#include "rpc.h"
+#include "server.h"
+
+/* Messages at least this large take over the read buffer instead of being
+ * copied out of it. */
+#define BIG_MESSAGE (64u << 10)
+#define READ_CHUNK (64u << 10)
+/* Stop reading from a client that does not read its replies. */
+#define MAX_PENDING_WRITE ((size_t)64 << 20)
+
+static void on_close(uv_handle_t *h)
+{
+    pb_conn_t *c = h->data;
+    pb_conn_unref(c);
+}
+
+void pb_conn_unref(pb_conn_t *c)
+{
+    if (--c->refs > 0)
+        return;
+    free(c->buf);
+    msgpack_sbuffer_destroy(&c->obuf);
+    free(c);
+}
+
+static void unlink_conn(pb_conn_t *c)
+{
+    pb_server_t *s = c->srv;
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->conns = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    c->prev = c->next = NULL;
+    s->nconns--;
+    if (c->dirty) {
+        pb_conn_t **pp = &s->dirty;
+        while (*pp && *pp != c)
+            pp = &(*pp)->dnext;
+        if (*pp)
+            *pp = c->dnext;
+        c->dirty = false;
+    }
+}
+
+void pb_conn_close(pb_conn_t *c)
+{
+    if (c->closing)
+        return;
+    c->closing = true;
+    pb_log(PB_LOG_INFO, "connection %llu closed (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
+           (int)c->pid);
+    pb_rpc_conn_closed(c);
+    unlink_conn(c);
+    uv_close((uv_handle_t *)&c->pipe, on_close);
+    pb_server_maybe_finish(c->srv);
+}
+
+static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
+{
+    (void)hint;
+    pb_conn_t *c = h->data;
+    if (c->start > 0 && c->start == c->len)
+        c->start = c->len = 0;
+    if (c->cap - c->len < READ_CHUNK) {
+        if (c->start > 0) {
+            memmove(c->buf, c->buf + c->start, c->len - c->start);
+            c->len -= c->start;
+            c->start = 0;
+        }
+        if (c->cap - c->len < READ_CHUNK) {
+            size_t ncap = c->cap ? c->cap * 2 : READ_CHUNK * 2;
+            while (ncap - c->len < READ_CHUNK)
+                ncap *= 2;
+            char *nb = realloc(c->buf, ncap);
+            if (nb == NULL) {
+                b->base = NULL;
+                b->len = 0;
+                return;
+            }
+            c->buf = nb;
+            c->cap = ncap;
+        }
+    }
+    /* Never read more than the message limit allows past what is held, so
+     * a flood cannot grow the buffer beyond about one message. */
+    size_t room = c->cap - c->len;
+    b->base = c->buf + c->len;
+    b->len = room;
+}
+
+/* The storage of the message at buf[start, start + n): the buffer itself
+ * for a big message at its front, else a copy. */
+static pb_storage_t *take_message(pb_conn_t *c, size_t n)
+{
+    if (n >= BIG_MESSAGE && c->start == 0) {
+        size_t rest = c->len - n;
+        size_t ncap = rest + READ_CHUNK * 2;
+        char *nb = malloc(ncap);
+        if (nb == NULL)
+            return NULL;
+        memcpy(nb, c->buf + n, rest);
+        pb_storage_t *s = pb_storage_view(c->buf, n, free, c->buf);
+        if (s == NULL) {
+            free(nb);
+            return NULL;
+        }
+        c->buf = nb;
+        c->cap = ncap;
+        c->len = rest;
+        c->start = 0;
+        return s;
+    }
+    pb_storage_t *s = pb_storage_new(n, false);
+    if (s == NULL)
+        return NULL;
+    memcpy(s->ptr, c->buf + c->start, n);
+    c->start += n;
+    return s;
+}
+
+static void mark_dirty(pb_conn_t *c);
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b);
+
+static void parse_error(pb_conn_t *c, const char *why)
+{
+    pb_err_t err;
+    pb_err_set(&err, PB_EPARSE, NULL, "%s; closing the connection", why);
+    pb_log(PB_LOG_NOTICE, "connection %llu: parse_error: %s", (unsigned long long)c->id, why);
+    pb_out_t o;
+    pb_out_init(&o);
+    pb_out_error_response(&o, 0, &err);
+    pb_conn_send(c, &o);
+    c->close_after_flush = true;
+    mark_dirty(c);
+    uv_read_stop((uv_stream_t *)&c->pipe);
+}
+
+static bool blocked(const pb_conn_t *c)
+{
+    return c->inflight >= c->srv->cfg.max_inflight_per_connection || c->pending_write > MAX_PENDING_WRITE;
+}
+
+void pb_conn_process(pb_conn_t *c)
+{
+    pb_server_t *s = c->srv;
+    if (c->processing)
+        return; /* the loop below re-checks blocked() itself */
+    c->processing = true;
+    c->refs++; /* a reply may close c under us */
+    while (!c->closing && !c->close_after_flush && c->start < c->len && !blocked(c)) {
+        size_t n;
+        int rc = pb_scan_feed(&c->scan, (const uint8_t *)c->buf + c->start, c->len - c->start,
+                              s->cfg.max_message_bytes, &n);
+        if (rc == 0)
+            break;
+        if (rc < 0) {
+            parse_error(c, c->scan.why);
+            break;
+        }
+        pb_scan_reset(&c->scan);
+        bool late = false;
+        if (s->stopping) {
+            late = c->drain_left < n;
+            c->drain_left = late ? 0 : c->drain_left - n;
+        }
+        pb_storage_t *msg = take_message(c, n);
+        if (msg == NULL) {
+            parse_error(c, "out of memory for a message");
+            break;
+        }
+        pb_rpc_message(c, msg, late);
+        pb_storage_unref(msg);
+    }
+    if (!c->closing && !c->close_after_flush) {
+        bool stop = blocked(c);
+        if (stop && !c->paused) {
+            uv_read_stop((uv_stream_t *)&c->pipe);
+            c->paused = true;
+        } else if (!stop && c->paused) {
+            c->paused = false;
+            uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
+        }
+    }
+    c->processing = false;
+    pb_conn_unref(c);
+}
+
+static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
+{
+    (void)b;
+    pb_conn_t *c = st->data;
+    if (nread < 0) {
+        if (nread != UV_EOF)
+            pb_log(PB_LOG_INFO, "connection %llu: read: %s", (unsigned long long)c->id, uv_strerror((int)nread));
+        pb_conn_close(c);
+        return;
+    }
+    c->len += (size_t)nread;
+    pb_conn_process(c);
+}
+
+void pb_conn_request_done(pb_conn_t *c)
+{
+    c->inflight--;
+    if (c->paused && !c->closing)
+        pb_conn_process(c);
+}
+
+void pb_conn_accept(pb_server_t *s)
+{
+    pb_conn_t *c = calloc(1, sizeof *c);
+    if (c == NULL)
+        return;
+    c->srv = s;
+    c->refs = 1;
+    c->id = ++s->next_conn_id;
+    msgpack_sbuffer_init(&c->obuf);
+    uv_pipe_init(s->loop, &c->pipe, 0);
+    c->pipe.data = c;
+    if (uv_accept((uv_stream_t *)&s->listener, (uv_stream_t *)&c->pipe) != 0) {
+        uv_close((uv_handle_t *)&c->pipe, on_close);
+        return;
+    }
+    uv_os_fd_t fd;
+    struct ucred cr = {0};
+    socklen_t len = sizeof cr;
+    if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0 && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0) {
+        c->uid = cr.uid;
+        c->pid = cr.pid;
+    } else {
+        c->uid = (uid_t)-1;
+    }
+    c->next = s->conns;
+    if (s->conns)
+        s->conns->prev = c;
+    s->conns = c;
+    s->nconns++;
+    pb_log(PB_LOG_INFO, "connection %llu opened (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
+           (int)c->pid);
+    uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
+}
+
+/* Writes. */
+typedef struct wreq {
+    uv_write_t w;
+    pb_conn_t *c;
+    pb_out_t out;          /* big reply, or */
+    msgpack_sbuffer flat;  /* batched small replies */
+    size_t bytes;
+    uv_buf_t bufs[2 * PB_OUT_MAXSEG + 1];
+} wreq_t;
+
+static void on_write(uv_write_t *w, int status)
+{
+    wreq_t *r = w->data;
+    pb_conn_t *c = r->c;
+    c->pending_write -= r->bytes;
+    pb_out_free(&r->out);
+    msgpack_sbuffer_destroy(&r->flat);
+    free(r);
+    if (status < 0 && !c->closing)
+        pb_conn_close(c);
+    else if (!c->closing && c->paused && !blocked(c))
+        pb_conn_process(c);
+    pb_conn_unref(c);
+}
+
+static void write_now(pb_conn_t *c, pb_out_t *o, msgpack_sbuffer *flat)
+{
+    wreq_t *r = calloc(1, sizeof *r);
+    if (r == NULL) {
+        if (o)
+            pb_out_free(o);
+        if (flat)
+            msgpack_sbuffer_destroy(flat);
+        pb_conn_close(c);
+        return;
+    }
+    int n;
+    if (o) {
+        r->out = *o;
+        pb_out_init(o);
+        const void *ptr[2 * PB_OUT_MAXSEG + 1];
+        size_t len[2 * PB_OUT_MAXSEG + 1];
+        n = pb_out_iov(&r->out, ptr, len, 2 * PB_OUT_MAXSEG + 1);
+        for (int i = 0; i < n; i++) {
+            r->bufs[i] = uv_buf_init((char *)ptr[i], (unsigned)len[i]);
+            r->bytes += len[i];
+        }
+        msgpack_sbuffer_init(&r->flat);
+    } else {
+        pb_out_init(&r->out);
+        r->flat = *flat;
+        msgpack_sbuffer_init(flat);
+        r->bufs[0] = uv_buf_init(r->flat.data, (unsigned)r->flat.size);
+        r->bytes = r->flat.size;
+        n = 1;
+    }
+    r->c = c;
+    r->w.data = r;
+    c->refs++;
+    c->pending_write += r->bytes;
+    int rc = uv_write(&r->w, (uv_stream_t *)&c->pipe, r->bufs, (unsigned)n, on_write);
+    if (rc) {
+        c->pending_write -= r->bytes;
+        pb_out_free(&r->out);
+        msgpack_sbuffer_destroy(&r->flat);
+        free(r);
+        pb_conn_unref(c);
+        pb_conn_close(c);
+    }
+}
+
+static void flush(pb_conn_t *c)
+{
+    if (c->obuf.size && !c->closing)
+        write_now(c, NULL, &c->obuf);
+}
+
+void pb_conn_send(pb_conn_t *c, pb_out_t *o)
+{
+    if (c->closing) {
+        pb_out_free(o);
+        pb_out_init(o);
+        return;
+    }
+    if (o->nseg == 0 && o->sb.size < (256u << 10)) {
+        /* Small: batch with the other replies of this loop iteration. */
+        msgpack_sbuffer_write(&c->obuf, o->sb.data, o->sb.size);
+        pb_out_free(o);
+        pb_out_init(o);
+        mark_dirty(c);
+        return;
+    }
+    flush(c);
+    write_now(c, o, NULL);
+}
+
+static void after_shutdown_write(uv_shutdown_t *req, int status)
+{
+    (void)status;
+    pb_conn_t *c = req->data;
+    free(req);
+    pb_conn_close(c);
+    pb_conn_unref(c);
+}
+
+static void mark_dirty(pb_conn_t *c)
+{
+    if (!c->dirty) {
+        c->dirty = true;
+        c->dnext = c->srv->dirty;
+        c->srv->dirty = c;
+    }
+}
+
+void pb_conn_flush_all(pb_server_t *s)
+{
+    pb_conn_t *c = s->dirty;
+    s->dirty = NULL;
+    while (c) {
+        pb_conn_t *n = c->dnext;
+        c->dirty = false;
+        c->dnext = NULL;
+        flush(c);
+        /* After a parse error: close once the error reply is out. */
+        if (c->close_after_flush && !c->shut_sent && !c->closing) {
+            uv_shutdown_t *req = malloc(sizeof *req);
+            c->shut_sent = true;
+            if (req) {
+                req->data = c;
+                c->refs++;
+                if (uv_shutdown(req, (uv_stream_t *)&c->pipe, after_shutdown_write) != 0) {
+                    free(req);
+                    pb_conn_unref(c);
+                    pb_conn_close(c);
+                }
+            } else {
+                pb_conn_close(c);
+            }
+        }
+        c = n;
+    }
+}

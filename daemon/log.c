@@ -1,0 +1,38 @@
+#include "log.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+int pb_log_level = PB_LOG_INFO;
+
+static const char *const names[] = {"emerg", "alert", "crit", "error", "warning", "notice", "info", "debug"};
+
+int pb_log_parse_level(const char *s)
+{
+    for (int i = 3; i < 8; i++)
+        if (strcmp(s, names[i]) == 0)
+            return i;
+    if (strcmp(s, "warn") == 0)
+        return PB_LOG_WARNING;
+    return -1;
+}
+
+void pb_log(int level, const char *fmt, ...)
+{
+    if (level > pb_log_level)
+        return;
+    char line[1024];
+    int n = snprintf(line, sizeof line, "<%d>", level);
+    va_list ap;
+    va_start(ap, fmt);
+    int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
+    va_end(ap);
+    size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
+    if (len > sizeof line - 2)
+        len = sizeof line - 2;
+    line[len++] = '\n';
+    ssize_t w = write(STDERR_FILENO, line, len);
+    (void)w;
+}

@@ -1,0 +1,35 @@
+/* pullbackd: serve automatic-differentiation rules over msgpack-RPC. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "config.h"
+#include "log.h"
+#include "server.h"
+
+int main(int argc, char **argv)
+{
+    pb_config_t cfg;
+    int rc = pb_config_parse(&cfg, argc, argv);
+    if (rc)
+        return rc > 0 ? 0 : 2;
+    pb_log_level = cfg.log_level;
+    signal(SIGPIPE, SIG_IGN);
+    uv_loop_t *loop = uv_default_loop();
+    pb_server_t srv;
+    if ((rc = pb_server_init(&srv, loop, &cfg))) {
+        pb_log(PB_LOG_ERR, "startup failed: %s", rc < -100 ? uv_strerror(rc) : "internal error");
+        return 1;
+    }
+    if (pb_server_listen(&srv)) {
+        srv.stopping = true;
+        pb_server_destroy(&srv);
+        uv_loop_close(loop);
+        return 1;
+    }
+    uv_run(loop, UV_RUN_DEFAULT);
+    pb_server_destroy(&srv);
+    rc = uv_loop_close(loop);
+    pb_log(PB_LOG_NOTICE, "stopped%s", rc ? " (handles left open)" : "");
+    return 0;
+}

@@ -1,0 +1,109 @@
+#include "pool.h"
+
+#include <stdlib.h>
+
+static void q_push(pb_queue_t *q, pb_job_t *j)
+{
+    j->next = NULL;
+    if (q->tail)
+        q->tail->next = j;
+    else
+        q->head = j;
+    q->tail = j;
+}
+
+static pb_job_t *q_pop(pb_queue_t *q)
+{
+    pb_job_t *j = q->head;
+    if (j) {
+        q->head = j->next;
+        if (q->head == NULL)
+            q->tail = NULL;
+    }
+    return j;
+}
+
+static void *worker_main(void *arg)
+{
+    pb_pool_t *p = arg;
+    pthread_mutex_lock(&p->lock);
+    for (;;) {
+        pb_job_t *j = q_pop(&p->todo[PB_DEV_CPU]);
+        if (j == NULL) {
+            if (p->stopping)
+                break;
+            pthread_cond_wait(&p->cond, &p->lock);
+            continue;
+        }
+        p->busy++;
+        pthread_mutex_unlock(&p->lock);
+        j->run(j);
+        pthread_mutex_lock(&p->lock);
+        p->busy--;
+        q_push(&p->finished, j);
+        /* uv_async_send coalesces, so a burst of completions wakes the
+         * loop once. */
+        uv_async_send(&p->async);
+    }
+    pthread_mutex_unlock(&p->lock);
+    return NULL;
+}
+
+static void on_async(uv_async_t *a)
+{
+    pb_pool_t *p = a->data;
+    pthread_mutex_lock(&p->lock);
+    pb_job_t *j = p->finished.head;
+    p->finished.head = p->finished.tail = NULL;
+    pthread_mutex_unlock(&p->lock);
+    while (j) {
+        pb_job_t *next = j->next;
+        j->done(j);
+        j = next;
+    }
+}
+
+int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n)
+{
+    *p = (pb_pool_t){0};
+    p->loop = loop;
+    if (n < 1)
+        n = 1;
+    int rc = uv_async_init(loop, &p->async, on_async);
+    if (rc)
+        return rc;
+    p->async.data = p;
+    pthread_mutex_init(&p->lock, NULL);
+    pthread_cond_init(&p->cond, NULL);
+    p->threads = calloc((size_t)n, sizeof *p->threads);
+    if (p->threads == NULL)
+        return UV_ENOMEM;
+    for (int i = 0; i < n; i++) {
+        if (pthread_create(&p->threads[i], NULL, worker_main, p) != 0)
+            break;
+        p->nthreads++;
+    }
+    return p->nthreads ? 0 : UV_EAGAIN;
+}
+
+void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job)
+{
+    pthread_mutex_lock(&p->lock);
+    q_push(&p->todo[dev.kind], job);
+    pthread_cond_signal(&p->cond);
+    pthread_mutex_unlock(&p->lock);
+}
+
+void pb_pool_stop(pb_pool_t *p)
+{
+    pthread_mutex_lock(&p->lock);
+    p->stopping = true;
+    pthread_cond_broadcast(&p->cond);
+    pthread_mutex_unlock(&p->lock);
+    for (int i = 0; i < p->nthreads; i++)
+        pthread_join(p->threads[i], NULL);
+    free(p->threads);
+    p->threads = NULL;
+    on_async(&p->async); /* completions that raced the stop */
+    uv_close((uv_handle_t *)&p->async, NULL);
+}

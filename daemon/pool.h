@@ -1,0 +1,51 @@
+/* The worker pool: threads that run the math of requests.
+ *
+ * A job is submitted from the loop thread to the queue of its device; a
+ * worker of that device runs job->run, then the job goes to a completion
+ * list and the loop thread runs job->done from a uv_async callback.  Only
+ * the loop thread submits and runs done; only workers run run.  The pool
+ * owns nothing of a job: the job (embedded in its request) must live until
+ * done has run.
+ *
+ * Devices: one queue per device (CPU today; each GPU gets its own queue
+ * and workers that hold that GPU's handles). */
+#ifndef PB_POOL_H
+#define PB_POOL_H
+
+#include <pthread.h>
+#include <stdbool.h>
+#include <uv.h>
+
+#include "../kernels/tensor.h"
+
+typedef struct pb_job {
+    void (*run)(struct pb_job *);  /* on a worker */
+    void (*done)(struct pb_job *); /* on the loop thread */
+    struct pb_job *next;
+} pb_job_t;
+
+typedef struct pb_queue {
+    pb_job_t *head, *tail;
+} pb_queue_t;
+
+typedef struct pb_pool {
+    uv_loop_t *loop;
+    uv_async_t async;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    pb_queue_t todo[2];   /* by pb_devkind_t */
+    pb_queue_t finished;
+    pthread_t *threads;
+    int nthreads;
+    bool stopping;
+    int busy;             /* jobs taken by workers and not finished */
+} pb_pool_t;
+
+/* Start n CPU workers.  0 or a negative error. */
+int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n);
+void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job);
+/* Stop the workers (after the jobs they run) and close the async handle;
+ * the loop must run once more for the close callback. */
+void pb_pool_stop(pb_pool_t *p);
+
+#endif

@@ -1,0 +1,1146 @@
+#include "rpc.h"
+
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../kernels/check.h"
+#include "log.h"
+
+#ifndef PB_VERSION
+#define PB_VERSION "0"
+#endif
+
+#define DEFAULT_TTL_MS 600000u
+#define MAX_TTL_S 31536000.0
+
+typedef struct pb_req pb_req_t;
+typedef void (*encode_fn)(pb_req_t *, pb_out_t *);
+
+struct pb_req {
+    pb_job_t job; /* first: the pool hands it back */
+    pb_conn_t *conn;
+    pb_server_t *srv;
+    uint32_t msgid;
+    bool notify;
+    encode_fn encode; /* result of a successful request */
+    int rc;
+    pb_err_t err;
+    /* forward, augmented_forward, check */
+    pb_call_t call;
+    pb_tapedata_t tdata;
+    bool peer_scope;
+    uint64_t ttl_ms;
+    size_t reserved;
+    pb_tape_t *made; /* the tape augmented_forward created */
+    uint64_t seed;
+    double max_rel, per_input[PB_MAX_IO + 2];
+    /* reverse, release */
+    bool is_release;
+    uint64_t handle;
+    pb_tape_t *tape;
+    bool keep, released;
+    char order;
+    pb_tensor_t cot[PB_MAX_IO];
+    pb_tensor_t grad[PB_MAX_IO + 2];
+    pb_warnings_t warn;
+    pb_req_t *wnext;
+};
+
+static void start_reverse(pb_req_t *r, pb_tape_t *t);
+static void tape_next(pb_server_t *s, pb_tape_t *t);
+
+/* ---- finishing ---------------------------------------------------------- */
+
+static void req_free(pb_req_t *r)
+{
+    pb_call_clear(&r->call);
+    pb_tapedata_clear(&r->tdata);
+    for (int i = 0; i < PB_MAX_IO; i++)
+        pb_tensor_clear(&r->cot[i]);
+    for (int i = 0; i < PB_MAX_IO + 2; i++)
+        pb_tensor_clear(&r->grad[i]);
+    free(r);
+}
+
+/* Answer r (unless it is a notification) and free it. */
+static void finish(pb_req_t *r)
+{
+    pb_conn_t *c = r->conn;
+    pb_server_t *s = r->srv;
+    if (!r->notify && !c->closing) {
+        pb_out_t o;
+        pb_out_init(&o);
+        if (r->rc)
+            pb_out_error_response(&o, r->msgid, &r->err);
+        else {
+            pb_out_result_header(&o, r->msgid);
+            r->encode(r, &o);
+        }
+        pb_conn_send(c, &o);
+    } else if (r->notify && r->rc) {
+        pb_log(PB_LOG_NOTICE, "connection %llu: notification failed: %s: %s", (unsigned long long)c->id,
+               pb_strerror_code(r->rc), r->err.message);
+    }
+    if (r->rc && r->rc != PB_EUNKNOWN_TAPE)
+        pb_log(PB_LOG_DEBUG, "connection %llu: msgid %u: %s: %s", (unsigned long long)c->id, r->msgid,
+               pb_strerror_code(r->rc), r->err.message);
+    req_free(r);
+    s->requests_in_flight--;
+    s->requests_served++;
+    pb_conn_request_done(c);
+    pb_conn_unref(c);
+    pb_server_maybe_finish(s);
+}
+
+static void fail(pb_req_t *r, int rc)
+{
+    if (r->err.code != rc || r->err.message[0] == 0)
+        pb_err_set(&r->err, rc, NULL, "%s", pb_strerror(rc));
+    r->rc = rc;
+    finish(r);
+}
+
+/* ---- param helpers ------------------------------------------------------ */
+
+/* Every key of params must be one of allowed. */
+static int check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err)
+{
+    for (uint32_t i = 0; i < params->via.map.size; i++) {
+        const msgpack_object *k = &params->via.map.ptr[i].key;
+        if (k->type != MSGPACK_OBJECT_STR)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "params keys must be strings");
+        bool ok = false;
+        for (const char *const *a = allowed; *a && !ok; a++)
+            ok = pb__obj_is_str(k, *a);
+        if (!ok) {
+            char list[200] = "";
+            size_t o = 0;
+            for (const char *const *a = allowed; *a && o < sizeof list; a++)
+                o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", a == allowed ? "" : ", ", *a);
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "unknown key '%.*s' in params (expected: %s)",
+                              (int)(k->via.str.size > 40 ? 40 : k->via.str.size), k->via.str.ptr, list);
+        }
+    }
+    return 0;
+}
+
+static int get_order(const msgpack_object *params, char *order, pb_err_t *err)
+{
+    const msgpack_object *o = pb__obj_get(params, "order");
+    *order = 'C';
+    if (o == NULL)
+        return 0;
+    if (pb__obj_is_str(o, "F"))
+        *order = 'F';
+    else if (!pb__obj_is_str(o, "C"))
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "order", "order must be \"C\" or \"F\"");
+    return 0;
+}
+
+static int get_handle(const msgpack_object *params, uint64_t *h, pb_err_t *err)
+{
+    const msgpack_object *o = pb__obj_get(params, "tape");
+    if (o == NULL)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "tape", "missing tape (the handle from augmented_forward)");
+    if (!pb__obj_uint(o, h))
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "tape", "tape must be a uint64 handle");
+    return 0;
+}
+
+static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err)
+{
+    const pb_op_t *op = c->op;
+    if (opts == NULL)
+        return 0;
+    if (opts->type != MSGPACK_OBJECT_MAP)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "options", "options must be a map");
+    for (uint32_t i = 0; i < opts->via.map.size; i++) {
+        const msgpack_object *k = &opts->via.map.ptr[i].key, *v = &opts->via.map.ptr[i].val;
+        int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_option_index(op, k->via.str.ptr, k->via.str.size) : -1;
+        if (idx < 0)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "options", "%s has no option '%.*s'", op->name,
+                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
+                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
+        const pb_opt_spec_t *sp = &op->options[idx];
+        pb_optval_t *ov = &c->opt[idx];
+        char arg[64];
+        snprintf(arg, sizeof arg, "options.%s", sp->name);
+        if (ov->given)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "option %s given twice", sp->name);
+        ov->given = true;
+        switch (sp->type) {
+        case PB_OPT_STR: {
+            bool found = false;
+            if (v->type == MSGPACK_OBJECT_STR && sp->values) {
+                for (int j = 0; sp->values[j] && !found; j++)
+                    if (pb__obj_is_str(v, sp->values[j])) {
+                        ov->index = j;
+                        found = true;
+                    }
+            }
+            if (!found) {
+                char list[256] = "";
+                size_t o = 0;
+                for (int j = 0; sp->values && sp->values[j] && o < sizeof list; j++)
+                    o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", j ? ", " : "", sp->values[j]);
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be one of: %s", sp->name, list);
+            }
+            break;
+        }
+        case PB_OPT_BOOL:
+            if (v->type != MSGPACK_OBJECT_BOOLEAN)
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be true or false", sp->name);
+            ov->b = v->via.boolean;
+            break;
+        case PB_OPT_INT:
+            if (v->type == MSGPACK_OBJECT_POSITIVE_INTEGER && v->via.u64 <= INT64_MAX)
+                ov->i = (long long)v->via.u64;
+            else if (v->type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
+                ov->i = v->via.i64;
+            else
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be an integer", sp->name);
+            break;
+        case PB_OPT_FLOAT:
+            if (!pb__obj_number(v, &ov->re))
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a number", sp->name);
+            break;
+        case PB_OPT_SCALAR:
+            ov->im = 0;
+            if (pb__obj_number(v, &ov->re))
+                break;
+            if (v->type == MSGPACK_OBJECT_ARRAY && v->via.array.size == 2 &&
+                pb__obj_number(&v->via.array.ptr[0], &ov->re) && pb__obj_number(&v->via.array.ptr[1], &ov->im))
+                break;
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a number or [re, im]", sp->name);
+        }
+    }
+    return 0;
+}
+
+static int parse_wrt(pb_call_t *c, const msgpack_object *w, pb_err_t *err)
+{
+    const pb_op_t *op = c->op;
+    if (w == NULL)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "missing wrt (the inputs whose gradients reverse will want)");
+    if (w->type != MSGPACK_OBJECT_ARRAY)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt must be an array of input names");
+    for (uint32_t i = 0; i < w->via.array.size; i++) {
+        const msgpack_object *n = &w->via.array.ptr[i];
+        int k = n->type == MSGPACK_OBJECT_STR ? pb_op_wrt_index(op, n->via.str.ptr, n->via.str.size) : -1;
+        if (k < 0)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt[%u] is not a differentiable input of %s", i,
+                              op->name);
+        if (c->wrt & (1u << k))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt names %s twice", op->wrt_names[k]);
+        if (k < op->ninputs && c->in[k].storage == NULL)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt names %s, which was not given in inputs",
+                              op->wrt_names[k]);
+        c->wrt |= 1u << k;
+    }
+    return 0;
+}
+
+enum call_kind { CALL_FORWARD, CALL_AUGMENTED, CALL_CHECK };
+
+/* Decode and validate {op, inputs, options, device, order, wrt, ...}. */
+static int parse_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg, enum call_kind kind)
+{
+    static const char *const k_fwd[] = {"op", "inputs", "options", "device", "order", NULL};
+    static const char *const k_aug[] = {"op", "inputs", "options", "device", "order", "wrt", "scope", "ttl_s", NULL};
+    static const char *const k_chk[] = {"op", "inputs", "options", "device", "wrt", "seed", NULL};
+    pb_err_t *err = &r->err;
+    pb_call_t *c = &r->call;
+    pb_server_t *s = r->srv;
+    int rc = check_keys(params, kind == CALL_FORWARD ? k_fwd : kind == CALL_AUGMENTED ? k_aug : k_chk, err);
+    if (rc)
+        return rc;
+    const msgpack_object *opn = pb__obj_get(params, "op");
+    if (opn == NULL || opn->type != MSGPACK_OBJECT_STR)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "op", "op must be the name of an op (see the ops method)");
+    c->op = pb_op_find(opn->via.str.ptr, opn->via.str.size);
+    if (c->op == NULL)
+        return pb_err_set(err, PB_EUNKNOWN_OP, "op", "unknown op '%.*s' (see the ops method)",
+                          (int)(opn->via.str.size > 40 ? 40 : opn->via.str.size), opn->via.str.ptr);
+    const pb_op_t *op = c->op;
+
+    const msgpack_object *in = pb__obj_get(params, "inputs");
+    if (in == NULL || in->type != MSGPACK_OBJECT_MAP)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "inputs must be a map from input names to tensors");
+    for (uint32_t i = 0; i < in->via.map.size; i++) {
+        const msgpack_object *k = &in->via.map.ptr[i].key;
+        int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_input_index(op, k->via.str.ptr, k->via.str.size) : -1;
+        if (idx < 0)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "%s has no input '%.*s'", op->name,
+                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
+                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
+        char what[64];
+        snprintf(what, sizeof what, "inputs.%s", op->inputs[idx].name);
+        if (c->in[idx].storage)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "input %s given twice", op->inputs[idx].name);
+        if ((rc = pb_tensor_decode(&in->via.map.ptr[i].val, msg, what, &c->in[idx], err)))
+            return rc;
+    }
+    int first = -1;
+    for (int i = 0; i < op->ninputs; i++) {
+        char what[64];
+        snprintf(what, sizeof what, "inputs.%s", op->inputs[i].name);
+        if (c->in[i].storage == NULL) {
+            if (op->inputs[i].required)
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "missing required input %s of %s",
+                                  op->inputs[i].name, op->name);
+            continue;
+        }
+        if (!(op->dtypes & PB_DTYPE_BIT(c->in[i].dtype)))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s does not take dtype %s (input %s)", op->name,
+                              pb_dtype_name(c->in[i].dtype), op->inputs[i].name);
+        if (first < 0)
+            first = i;
+        else if (c->in[i].dtype != c->in[first].dtype)
+            return pb_err_set(err, PB_EDTYPE_MISMATCH, what, "input %s is %s but %s is %s", op->inputs[i].name,
+                              pb_dtype_name(c->in[i].dtype), op->inputs[first].name,
+                              pb_dtype_name(c->in[first].dtype));
+    }
+    c->dtype = c->in[first].dtype;
+
+    if ((rc = parse_options(c, pb__obj_get(params, "options"), err)))
+        return rc;
+    pb_call_defaults(c);
+    for (int i = 0; i < op->noptions; i++)
+        if (op->options[i].type == PB_OPT_SCALAR && c->opt[i].im != 0 && !pb_dtype_is_complex(c->dtype))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, op->options[i].name,
+                              "%s has a nonzero imaginary part but the inputs are real (%s)", op->options[i].name,
+                              pb_dtype_name(c->dtype));
+
+    c->device = s->cfg.device;
+    const msgpack_object *dev = pb__obj_get(params, "device");
+    if (dev) {
+        if (dev->type != MSGPACK_OBJECT_STR || pb_device_parse(dev->via.str.ptr, dev->via.str.size, &c->device))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "device", "device must be \"cpu\", \"cuda\" or \"cuda:N\"");
+    }
+    if (c->device.kind != PB_DEV_CPU)
+        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device",
+                          "device cuda:%d is not available: this daemon has no CUDA devices", c->device.index);
+    if (!(op->devices & (1u << c->device.kind)))
+        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device", "%s has no implementation on this device",
+                          op->name);
+
+    if ((rc = get_order(params, &c->order, err)))
+        return rc;
+    if (kind != CALL_FORWARD && (rc = parse_wrt(c, pb__obj_get(params, "wrt"), err)))
+        return rc;
+    c->taped = kind != CALL_FORWARD;
+    if ((rc = op->validate(c, err)))
+        return rc;
+    size_t total = 0;
+    for (int i = 0; i < op->noutputs; i++) {
+        size_t b;
+        pb_shape_count(c->out_meta[i].rank, c->out_meta[i].shape, pb_dtype_size(c->out_meta[i].dtype), NULL, &b);
+        total += b;
+    }
+    if (total > s->cfg.max_message_bytes)
+        return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_message_bytes",
+                          "the outputs would take %zu bytes, more than max_message_bytes %zu", total,
+                          s->cfg.max_message_bytes);
+
+    if (kind == CALL_AUGMENTED) {
+        const msgpack_object *sc = pb__obj_get(params, "scope"), *ttl = pb__obj_get(params, "ttl_s");
+        if (sc && pb__obj_is_str(sc, "peer"))
+            r->peer_scope = true;
+        else if (sc && !pb__obj_is_str(sc, "connection"))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "scope", "scope must be \"connection\" or \"peer\"");
+        r->ttl_ms = DEFAULT_TTL_MS;
+        if (ttl) {
+            double v;
+            if (!pb__obj_number(ttl, &v) || !(v > 0) || v > MAX_TTL_S)
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, "ttl_s",
+                                  "ttl_s must be a number of seconds > 0 and at most %.0f", MAX_TTL_S);
+            r->ttl_ms = (uint64_t)(v * 1000.0 + 0.5);
+            if (r->ttl_ms == 0)
+                r->ttl_ms = 1;
+        }
+    }
+    if (kind == CALL_CHECK) {
+        const msgpack_object *sd = pb__obj_get(params, "seed");
+        if (sd && !pb__obj_uint(sd, &r->seed))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "seed", "seed must be a non-negative integer");
+    }
+    return 0;
+}
+
+/* ---- encoders ----------------------------------------------------------- */
+
+static void enc_outputs(pb_req_t *r, pb_out_t *o)
+{
+    const pb_op_t *op = r->call.op;
+    pb_out_str(o, "outputs");
+    msgpack_pack_map(&o->pk, (size_t)op->noutputs);
+    for (int i = 0; i < op->noutputs; i++) {
+        pb_out_str(o, op->outputs[i]);
+        pb_out_tensor(o, &r->call.out[i]);
+    }
+}
+
+static void enc_forward(pb_req_t *r, pb_out_t *o)
+{
+    msgpack_pack_map(&o->pk, 1);
+    enc_outputs(r, o);
+}
+
+static void enc_augmented(pb_req_t *r, pb_out_t *o)
+{
+    msgpack_pack_map(&o->pk, 3);
+    enc_outputs(r, o);
+    pb_out_str(o, "tape");
+    msgpack_pack_uint64(&o->pk, r->made->handle);
+    pb_out_str(o, "tape_bytes");
+    msgpack_pack_uint64(&o->pk, r->made->bytes);
+}
+
+static void enc_reverse(pb_req_t *r, pb_out_t *o)
+{
+    const pb_op_t *op = r->tdata.op;
+    unsigned wrt = r->tdata.wrt;
+    msgpack_pack_map(&o->pk, r->warn.n ? 2 : 1);
+    pb_out_str(o, "gradients");
+    msgpack_pack_map(&o->pk, (size_t)__builtin_popcount(wrt));
+    for (int k = 0; k < op->nwrt; k++) {
+        if (!(wrt & (1u << k)))
+            continue;
+        pb_out_str(o, op->wrt_names[k]);
+        pb_out_tensor(o, &r->grad[k]);
+    }
+    if (r->warn.n) {
+        pb_out_str(o, "warnings");
+        msgpack_pack_array(&o->pk, (size_t)r->warn.n);
+        for (int i = 0; i < r->warn.n; i++)
+            pb_out_str(o, r->warn.text[i]);
+    }
+}
+
+static void enc_release(pb_req_t *r, pb_out_t *o)
+{
+    msgpack_pack_map(&o->pk, 1);
+    pb_out_str(o, "released");
+    if (r->released)
+        msgpack_pack_true(&o->pk);
+    else
+        msgpack_pack_false(&o->pk);
+}
+
+static void enc_check(pb_req_t *r, pb_out_t *o)
+{
+    const pb_op_t *op = r->call.op;
+    msgpack_pack_map(&o->pk, 2);
+    pb_out_str(o, "max_rel_err");
+    msgpack_pack_double(&o->pk, r->max_rel);
+    pb_out_str(o, "per_input");
+    msgpack_pack_map(&o->pk, (size_t)__builtin_popcount(r->call.wrt));
+    for (int k = 0; k < op->nwrt; k++) {
+        if (!(r->call.wrt & (1u << k)))
+            continue;
+        pb_out_str(o, op->wrt_names[k]);
+        msgpack_pack_double(&o->pk, r->per_input[k]);
+    }
+}
+
+static void pack_strs(pb_out_t *o, const char *const *v, int n)
+{
+    msgpack_pack_array(&o->pk, (size_t)n);
+    for (int i = 0; i < n; i++)
+        pb_out_str(o, v[i]);
+}
+
+static void pack_dtypes(pb_out_t *o, unsigned mask)
+{
+    msgpack_pack_array(&o->pk, (size_t)__builtin_popcount(mask));
+    for (int d = 0; d < PB_NDTYPES; d++)
+        if (mask & PB_DTYPE_BIT(d))
+            pb_out_str(o, pb_dtype_name((pb_dtype_t)d));
+}
+
+static void pack_devices(pb_out_t *o, unsigned mask)
+{
+    /* Only devices this daemon has: the CPU, for now. */
+    (void)mask;
+    msgpack_pack_array(&o->pk, 1);
+    pb_out_str(o, "cpu");
+}
+
+static void enc_hello(pb_req_t *r, pb_out_t *o)
+{
+    const pb_config_t *cfg = &r->srv->cfg;
+    msgpack_pack_map(&o->pk, 5);
+    pb_out_str(o, "protocol");
+    msgpack_pack_int(&o->pk, 1);
+    pb_out_str(o, "version");
+    pb_out_str(o, PB_VERSION);
+    pb_out_str(o, "devices");
+    pack_devices(o, 1);
+    pb_out_str(o, "dtypes");
+    pack_dtypes(o, PB_DTYPES_ALL);
+    pb_out_str(o, "limits");
+    msgpack_pack_map(&o->pk, 5);
+    pb_out_str(o, "max_message_bytes");
+    msgpack_pack_uint64(&o->pk, cfg->max_message_bytes);
+    pb_out_str(o, "max_tape_bytes");
+    msgpack_pack_uint64(&o->pk, cfg->max_tape_bytes);
+    pb_out_str(o, "max_tape_bytes_per_uid");
+    msgpack_pack_uint64(&o->pk, cfg->max_tape_bytes_per_uid);
+    pb_out_str(o, "max_tapes_per_connection");
+    msgpack_pack_uint64(&o->pk, cfg->max_tapes_per_connection);
+    pb_out_str(o, "max_inflight_per_connection");
+    msgpack_pack_uint64(&o->pk, cfg->max_inflight_per_connection);
+}
+
+static const char *const opt_type_names[] = {"str", "bool", "int", "float", "scalar"};
+
+static void enc_ops(pb_req_t *r, pb_out_t *o)
+{
+    (void)r;
+    msgpack_pack_map(&o->pk, 1);
+    pb_out_str(o, "ops");
+    msgpack_pack_map(&o->pk, (size_t)pb_nops);
+    for (int i = 0; i < pb_nops; i++) {
+        const pb_op_t *op = pb_ops[i];
+        pb_out_str(o, op->name);
+        msgpack_pack_map(&o->pk, 6);
+        pb_out_str(o, "inputs");
+        msgpack_pack_map(&o->pk, (size_t)op->ninputs);
+        for (int k = 0; k < op->ninputs; k++) {
+            pb_out_str(o, op->inputs[k].name);
+            msgpack_pack_map(&o->pk, 1);
+            pb_out_str(o, "required");
+            if (op->inputs[k].required)
+                msgpack_pack_true(&o->pk);
+            else
+                msgpack_pack_false(&o->pk);
+        }
+        pb_out_str(o, "outputs");
+        pack_strs(o, op->outputs, op->noutputs);
+        pb_out_str(o, "options");
+        msgpack_pack_map(&o->pk, (size_t)op->noptions);
+        for (int k = 0; k < op->noptions; k++) {
+            const pb_opt_spec_t *sp = &op->options[k];
+            pb_out_str(o, sp->name);
+            msgpack_pack_map(&o->pk, sp->values ? 3 : 2);
+            pb_out_str(o, "type");
+            pb_out_str(o, opt_type_names[sp->type]);
+            pb_out_str(o, "default");
+            switch (sp->type) {
+            case PB_OPT_STR: pb_out_str(o, sp->values ? sp->values[sp->def_index] : ""); break;
+            case PB_OPT_BOOL: if (sp->def_re != 0) msgpack_pack_true(&o->pk); else msgpack_pack_false(&o->pk); break;
+            case PB_OPT_INT: msgpack_pack_int64(&o->pk, (int64_t)sp->def_re); break;
+            case PB_OPT_FLOAT:
+            case PB_OPT_SCALAR: msgpack_pack_double(&o->pk, sp->def_re); break;
+            }
+            if (sp->values) {
+                int n = 0;
+                while (sp->values[n])
+                    n++;
+                pb_out_str(o, "values");
+                pack_strs(o, sp->values, n);
+            }
+        }
+        pb_out_str(o, "dtypes");
+        pack_dtypes(o, op->dtypes);
+        pb_out_str(o, "devices");
+        pack_devices(o, op->devices);
+        pb_out_str(o, "wrt");
+        pack_strs(o, op->wrt_names, op->nwrt);
+    }
+}
+
+static size_t phys_memory(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    return pages > 0 && psz > 0 ? (size_t)pages * (size_t)psz : 0;
+}
+
+static void enc_stats(pb_req_t *r, pb_out_t *o)
+{
+    pb_server_t *s = r->srv;
+    const pb_peer_acct_t *me = pb_tapes_peer(&s->tapes, r->conn->uid);
+    size_t npeers = 0;
+    for (size_t i = 0; i < s->tapes.npeers; i++)
+        npeers += s->tapes.peers[i].tapes > 0;
+    msgpack_pack_map(&o->pk, 10);
+    pb_out_str(o, "tapes");
+    msgpack_pack_uint64(&o->pk, s->tapes.count);
+    pb_out_str(o, "tape_bytes");
+    msgpack_pack_uint64(&o->pk, s->tapes.bytes);
+    pb_out_str(o, "peer_tapes");
+    msgpack_pack_uint64(&o->pk, me ? me->tapes : 0);
+    pb_out_str(o, "peer_tape_bytes");
+    msgpack_pack_uint64(&o->pk, me ? me->bytes : 0);
+    pb_out_str(o, "connections");
+    msgpack_pack_uint64(&o->pk, s->nconns);
+    pb_out_str(o, "requests_served");
+    msgpack_pack_uint64(&o->pk, s->requests_served);
+    pb_out_str(o, "requests_in_flight");
+    /* This stats request itself is in flight; it is not counted. */
+    msgpack_pack_uint64(&o->pk, s->requests_in_flight - 1);
+    pb_out_str(o, "uptime_s");
+    msgpack_pack_double(&o->pk, (double)(uv_now(s->loop) - s->start_ms) / 1000.0);
+    pb_out_str(o, "devices");
+    msgpack_pack_array(&o->pk, 1);
+    msgpack_pack_map(&o->pk, 2);
+    pb_out_str(o, "name");
+    pb_out_str(o, "cpu");
+    pb_out_str(o, "memory_bytes");
+    msgpack_pack_uint64(&o->pk, phys_memory());
+    pb_out_str(o, "peers");
+    msgpack_pack_array(&o->pk, npeers);
+    for (size_t i = 0; i < s->tapes.npeers; i++) {
+        const pb_peer_acct_t *p = &s->tapes.peers[i];
+        if (p->tapes == 0)
+            continue;
+        msgpack_pack_map(&o->pk, 3);
+        pb_out_str(o, "uid");
+        msgpack_pack_uint32(&o->pk, p->uid);
+        pb_out_str(o, "tapes");
+        msgpack_pack_uint64(&o->pk, p->tapes);
+        pb_out_str(o, "tape_bytes");
+        msgpack_pack_uint64(&o->pk, p->bytes);
+    }
+}
+
+static void enc_admin(pb_req_t *r, pb_out_t *o)
+{
+    msgpack_pack_map(&o->pk, 1);
+    pb_out_str(o, r->srv->stopping ? "shutting_down" : "draining");
+    msgpack_pack_true(&o->pk);
+}
+
+/* ---- tapes -------------------------------------------------------------- */
+
+static bool expired(const pb_server_t *s, const pb_tape_t *t)
+{
+    return uv_now(s->loop) >= t->expires_ms;
+}
+
+static void tape_unlink(pb_tape_t *t)
+{
+    pb_conn_t *c = t->owner;
+    if (c == NULL)
+        return;
+    if (t->cprev)
+        t->cprev->cnext = t->cnext;
+    else
+        c->tapes = t->cnext;
+    if (t->cnext)
+        t->cnext->cprev = t->cprev;
+    t->cprev = t->cnext = NULL;
+    t->owner = NULL;
+    c->ntapes--;
+}
+
+/* Free t and answer the requests waiting on it as for a missing tape. */
+static void tape_free(pb_server_t *s, pb_tape_t *t)
+{
+    pb_req_t *w = t->wait_head;
+    t->wait_head = t->wait_tail = NULL;
+    tape_unlink(t);
+    pb_tapes_remove(&s->tapes, t);
+    while (w) {
+        pb_req_t *n = w->wnext;
+        if (w->is_release) {
+            w->released = false;
+            finish(w);
+        } else {
+            pb_err_set(&w->err, PB_EUNKNOWN_TAPE, "tape", "tape %llu was consumed or released while this request waited",
+                       (unsigned long long)w->handle);
+            fail(w, PB_EUNKNOWN_TAPE);
+        }
+        w = n;
+    }
+}
+
+/* The tape behind handle as connection c may see it, or NULL. */
+static pb_tape_t *tape_lookup(pb_server_t *s, pb_conn_t *c, uint64_t handle)
+{
+    pb_tape_t *t = pb_tapes_find(&s->tapes, handle);
+    if (t == NULL || t->doomed)
+        return NULL;
+    if (t->peer_scope ? t->uid != c->uid : t->owner != c)
+        return NULL;
+    if (!t->busy && t->wait_head == NULL && expired(s, t)) {
+        tape_free(s, t);
+        return NULL;
+    }
+    return t;
+}
+
+static void enqueue(pb_tape_t *t, pb_req_t *r)
+{
+    r->wnext = NULL;
+    if (t->wait_tail)
+        t->wait_tail->wnext = r;
+    else
+        t->wait_head = r;
+    t->wait_tail = r;
+}
+
+static void do_release(pb_server_t *s, pb_req_t *r, pb_tape_t *t)
+{
+    tape_free(s, t);
+    r->released = true;
+    finish(r);
+}
+
+/* Run the waiters of an idle tape, in order, until one makes it busy. */
+static void tape_next(pb_server_t *s, pb_tape_t *t)
+{
+    while (!t->busy && t->wait_head) {
+        pb_req_t *w = t->wait_head;
+        t->wait_head = w->wnext;
+        if (t->wait_head == NULL)
+            t->wait_tail = NULL;
+        if (w->is_release) {
+            do_release(s, w, t);
+            return; /* t is gone */
+        }
+        start_reverse(w, t);
+        if (pb_tapes_find(&s->tapes, w->handle) != t)
+            return; /* consumed inline */
+    }
+}
+
+void pb_rpc_conn_closed(pb_conn_t *c)
+{
+    pb_server_t *s = c->srv;
+    while (c->tapes) {
+        pb_tape_t *t = c->tapes;
+        tape_unlink(t);
+        if (t->peer_scope)
+            continue;
+        if (t->busy)
+            t->doomed = true;
+        else
+            tape_free(s, t);
+    }
+}
+
+static void sweep_one(pb_tape_t *t, void *ctx)
+{
+    pb_server_t *s = ctx;
+    if (!t->busy && t->wait_head == NULL && expired(s, t))
+        tape_free(s, t);
+}
+
+void pb_rpc_sweep(pb_server_t *s)
+{
+    pb_tapes_foreach(&s->tapes, sweep_one, s);
+}
+
+/* ---- forward, augmented_forward, check ---------------------------------- */
+
+static void run_forward(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    r->rc = pb_op_run_forward(&r->call, r->call.taped ? &r->tdata : NULL, &r->err);
+}
+
+static void run_check(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    r->rc = pb_check_run(&r->call, r->seed, &r->max_rel, r->per_input, &r->err);
+}
+
+static void forward_done(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    pb_server_t *s = r->srv;
+    pb_conn_t *c = r->conn;
+    if (!r->call.taped || r->rc) {
+        if (r->call.taped) {
+            pb_tapes_unreserve(&s->tapes, c->uid, r->reserved);
+            c->ntapes--;
+        }
+        if (r->rc)
+            fail(r, r->rc);
+        else
+            finish(r);
+        return;
+    }
+    c->ntapes--; /* the pending count becomes the tape's own below */
+    if (c->closing && !r->peer_scope) {
+        pb_tapes_unreserve(&s->tapes, c->uid, r->reserved);
+        finish(r); /* nobody can use it; the reply is dropped too */
+        return;
+    }
+    pb_tape_t *t = pb_tapes_insert(&s->tapes, c->uid, r->reserved, &r->tdata);
+    if (t == NULL) {
+        pb_err_set(&r->err, PB_ENOMEM, NULL, "out of memory for the tape");
+        fail(r, PB_ENOMEM);
+        return;
+    }
+    t->peer_scope = r->peer_scope;
+    t->ttl_ms = r->ttl_ms;
+    t->expires_ms = uv_now(s->loop) + r->ttl_ms;
+    if (!c->closing) {
+        t->owner = c;
+        t->cnext = c->tapes;
+        if (c->tapes)
+            c->tapes->cprev = t;
+        c->tapes = t;
+        c->ntapes++;
+    }
+    r->made = t;
+    finish(r);
+}
+
+static void submit(pb_req_t *r, double cost, pb_device_t dev)
+{
+    if (cost < PB_INLINE_COST && dev.kind == PB_DEV_CPU) {
+        r->job.run(&r->job);
+        r->job.done(&r->job);
+    } else {
+        pb_pool_submit(&r->srv->pool, dev, &r->job);
+    }
+}
+
+static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg, enum call_kind kind)
+{
+    pb_server_t *s = r->srv;
+    pb_conn_t *c = r->conn;
+    if (s->draining || s->stopping) {
+        pb_err_set(&r->err, PB_ESHUTTING_DOWN, NULL, "the daemon is draining: no new forward calls");
+        return fail(r, PB_ESHUTTING_DOWN);
+    }
+    int rc = parse_call(r, params, msg, kind);
+    if (rc)
+        return fail(r, rc);
+    if (kind == CALL_AUGMENTED) {
+        if (c->ntapes >= s->cfg.max_tapes_per_connection) {
+            pb_err_set(&r->err, PB_ERESOURCE_EXHAUSTED, "max_tapes_per_connection",
+                       "this connection holds %zu tapes, the max_tapes_per_connection limit", c->ntapes);
+            return fail(r, PB_ERESOURCE_EXHAUSTED);
+        }
+        if ((rc = pb_tapes_reserve(&s->tapes, c->uid, r->call.tape_bytes, &r->err)))
+            return fail(r, rc);
+        r->reserved = r->call.tape_bytes;
+        c->ntapes++;
+    }
+    r->encode = kind == CALL_FORWARD ? enc_forward : kind == CALL_AUGMENTED ? enc_augmented : enc_check;
+    r->job.run = kind == CALL_CHECK ? run_check : run_forward;
+    r->job.done = forward_done;
+    /* A check runs the op about 4·|wrt| + 2 times. */
+    double cost = r->call.cost * (kind == CALL_CHECK ? 4.0 * r->call.op->nwrt + 2 : 1);
+    submit(r, cost, r->call.device);
+}
+
+static void m_forward(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, CALL_FORWARD); }
+static void m_augmented(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, CALL_AUGMENTED); }
+static void m_check(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, CALL_CHECK); }
+
+/* ---- reverse, release --------------------------------------------------- */
+
+static void run_reverse(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    r->rc = pb_op_run_reverse(&r->tape->data, r->cot, r->grad, r->order, &r->warn, &r->err);
+}
+
+static void reverse_done(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    pb_server_t *s = r->srv;
+    pb_tape_t *t = r->tape;
+    t->busy = false;
+    r->tape = NULL;
+    if (t->doomed) {
+        tape_free(s, t);
+    } else if (r->rc == 0 && !r->keep) {
+        tape_free(s, t);
+    } else {
+        t->expires_ms = uv_now(s->loop) + t->ttl_ms;
+        tape_next(s, t);
+    }
+    if (r->rc)
+        fail(r, r->rc);
+    else
+        finish(r);
+}
+
+static void start_reverse(pb_req_t *r, pb_tape_t *t)
+{
+    t->busy = true;
+    r->tape = t;
+    /* The gradients are described by the tape; keep its identity for the
+     * encoder, without its tensors. */
+    r->tdata.op = t->data.op;
+    r->tdata.wrt = t->data.wrt;
+    r->job.run = run_reverse;
+    r->job.done = reverse_done;
+    /* A reverse costs about twice its forward. */
+    double cost = 2.0 * t->data.cost;
+    submit(r, cost, t->data.device);
+}
+
+static int parse_cotangents(pb_req_t *r, const pb_tape_t *t, const msgpack_object *cots, pb_storage_t *msg)
+{
+    const pb_op_t *op = t->data.op;
+    pb_err_t *err = &r->err;
+    if (cots == NULL)
+        return 0;
+    if (cots->type != MSGPACK_OBJECT_MAP)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "cotangents", "cotangents must be a map from output names to tensors");
+    for (uint32_t i = 0; i < cots->via.map.size; i++) {
+        const msgpack_object *k = &cots->via.map.ptr[i].key;
+        int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_output_index(op, k->via.str.ptr, k->via.str.size) : -1;
+        if (idx < 0)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "cotangents", "%s has no output '%.*s'", op->name,
+                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
+                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
+        char what[64];
+        snprintf(what, sizeof what, "cotangents.%s", op->outputs[idx]);
+        if (r->cot[idx].storage)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "cotangent %s given twice", op->outputs[idx]);
+        int rc = pb_tensor_decode(&cots->via.map.ptr[i].val, msg, what, &r->cot[idx], err);
+        if (rc)
+            return rc;
+        const pb_tensor_t *m = &t->data.out_meta[idx];
+        char s1[96], s2[96];
+        if (r->cot[idx].dtype != m->dtype)
+            return pb_err_set(err, PB_EDTYPE_MISMATCH, what, "cotangent %s is %s but output %s is %s",
+                              op->outputs[idx], pb_dtype_name(r->cot[idx].dtype), op->outputs[idx],
+                              pb_dtype_name(m->dtype));
+        if (!pb_tensor_same_shape(&r->cot[idx], m))
+            return pb_err_set(err, PB_ESHAPE_MISMATCH, what, "cotangent %s has shape %s but output %s has shape %s",
+                              op->outputs[idx], pb_shape_str(&r->cot[idx], s1, sizeof s1), op->outputs[idx],
+                              pb_shape_str(m, s2, sizeof s2));
+    }
+    return 0;
+}
+
+static void m_reverse(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
+{
+    static const char *const keys[] = {"tape", "cotangents", "keep", "order", NULL};
+    pb_server_t *s = r->srv;
+    int rc = check_keys(params, keys, &r->err);
+    if (rc == 0)
+        rc = get_handle(params, &r->handle, &r->err);
+    if (rc == 0)
+        rc = get_order(params, &r->order, &r->err);
+    const msgpack_object *keep = pb__obj_get(params, "keep");
+    if (rc == 0 && keep) {
+        if (keep->type != MSGPACK_OBJECT_BOOLEAN)
+            rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "keep", "keep must be true or false");
+        else
+            r->keep = keep->via.boolean;
+    }
+    if (rc)
+        return fail(r, rc);
+    pb_tape_t *t = tape_lookup(s, r->conn, r->handle);
+    if (t == NULL) {
+        pb_err_set(&r->err, PB_EUNKNOWN_TAPE, "tape", "tape %llu is not held (consumed, released, expired, "
+                   "of another connection, or never issued)", (unsigned long long)r->handle);
+        return fail(r, PB_EUNKNOWN_TAPE);
+    }
+    if ((rc = parse_cotangents(r, t, pb__obj_get(params, "cotangents"), msg)))
+        return fail(r, rc);
+    r->encode = enc_reverse;
+    if (t->busy || t->wait_head)
+        enqueue(t, r);
+    else
+        start_reverse(r, t);
+}
+
+static void release_common(pb_req_t *r, const msgpack_object *params)
+{
+    static const char *const keys[] = {"tape", NULL};
+    int rc = check_keys(params, keys, &r->err);
+    const msgpack_object *h = pb__obj_get(params, "tape");
+    if (rc == 0 && h == NULL)
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "missing tape");
+    if (rc == 0 && !pb__obj_uint(h, &r->handle))
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "tape must be a uint64 handle");
+    if (rc)
+        return fail(r, rc);
+    r->is_release = true;
+    r->encode = enc_release;
+    pb_tape_t *t = tape_lookup(r->srv, r->conn, r->handle);
+    if (t == NULL) {
+        r->released = false;
+        return finish(r);
+    }
+    if (t->busy || t->wait_head)
+        enqueue(t, r);
+    else
+        do_release(r->srv, r, t);
+}
+
+static void m_release(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
+{
+    (void)msg;
+    release_common(r, params);
+}
+
+/* ---- small methods ------------------------------------------------------ */
+
+static void m_simple(pb_req_t *r, const msgpack_object *params, encode_fn enc)
+{
+    static const char *const none[] = {NULL};
+    int rc = check_keys(params, none, &r->err);
+    if (rc)
+        return fail(r, rc);
+    r->encode = enc;
+    finish(r);
+}
+
+static void m_hello(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { (void)m; m_simple(r, p, enc_hello); }
+static void m_ops(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { (void)m; m_simple(r, p, enc_ops); }
+
+static void m_stats(pb_req_t *r, const msgpack_object *p, pb_storage_t *m)
+{
+    (void)m;
+    pb_rpc_sweep(r->srv);
+    m_simple(r, p, enc_stats);
+}
+
+static bool admin(const pb_req_t *r)
+{
+    return r->conn->uid == 0 || r->conn->uid == r->srv->self_uid;
+}
+
+static void m_admin(pb_req_t *r, const msgpack_object *params, bool shutdown)
+{
+    static const char *const none[] = {NULL};
+    int rc = check_keys(params, none, &r->err);
+    if (rc)
+        return fail(r, rc);
+    if (!admin(r)) {
+        pb_err_set(&r->err, PB_EPERMISSION_DENIED, NULL, "%s is allowed only for uid 0 and the daemon's uid %u",
+                   shutdown ? "shutdown" : "drain", (unsigned)r->srv->self_uid);
+        return fail(r, PB_EPERMISSION_DENIED);
+    }
+    r->srv->draining = true;
+    pb_log(PB_LOG_NOTICE, "%s requested by uid %u", shutdown ? "shutdown" : "drain", (unsigned)r->conn->uid);
+    if (shutdown)
+        pb_server_stop(r->srv);
+    r->encode = enc_admin;
+    finish(r);
+}
+
+static void m_drain(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { (void)m; m_admin(r, p, false); }
+static void m_shutdown(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { (void)m; m_admin(r, p, true); }
+
+static void m_buffer(pb_req_t *r, const msgpack_object *p, pb_storage_t *m)
+{
+    (void)p;
+    (void)m;
+    pb_err_set(&r->err, PB_EUNKNOWN_METHOD, NULL,
+               "shared-memory buffers (register_buffer, unregister_buffer) are not supported by this daemon yet");
+    fail(r, PB_EUNKNOWN_METHOD);
+}
+
+static const struct method {
+    const char *name;
+    void (*fn)(pb_req_t *, const msgpack_object *, pb_storage_t *);
+} methods[] = {
+    {"hello", m_hello},
+    {"ops", m_ops},
+    {"forward", m_forward},
+    {"augmented_forward", m_augmented},
+    {"reverse", m_reverse},
+    {"release", m_release},
+    {"check", m_check},
+    {"stats", m_stats},
+    {"drain", m_drain},
+    {"shutdown", m_shutdown},
+    {"register_buffer", m_buffer},
+    {"unregister_buffer", m_buffer},
+};
+
+/* ---- envelope ----------------------------------------------------------- */
+
+static void reply_early(pb_conn_t *c, uint32_t msgid, int code, const char *fmt, const char *detail)
+{
+    pb_err_t err;
+    pb_err_set(&err, code, NULL, fmt, detail);
+    pb_out_t o;
+    pb_out_init(&o);
+    pb_out_error_response(&o, msgid, &err);
+    pb_conn_send(c, &o);
+    c->srv->requests_served++;
+}
+
+void pb_rpc_message(pb_conn_t *c, pb_storage_t *msg, bool late)
+{
+    pb_server_t *s = c->srv;
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    if (msgpack_unpack_next(&up, msg->ptr, msg->size, &off) != MSGPACK_UNPACK_SUCCESS) {
+        reply_early(c, 0, PB_EINVALID_REQUEST, "%s", "the message could not be decoded");
+        goto out;
+    }
+    const msgpack_object *m = &up.data;
+    if (m->type != MSGPACK_OBJECT_ARRAY || m->via.array.size < 3 ||
+        m->via.array.ptr[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER) {
+        reply_early(c, 0, PB_EINVALID_REQUEST, "%s",
+                    "not a msgpack-RPC request [0, msgid, method, [params]] or notification [2, method, [params]]");
+        goto out;
+    }
+    const msgpack_object *a = m->via.array.ptr;
+    uint64_t type = a[0].via.u64;
+    bool notify = type == 2;
+    uint64_t msgid = 0;
+    if (type == 0 && m->via.array.size == 4) {
+        if (!pb__obj_uint(&a[1], &msgid) || msgid > UINT32_MAX) {
+            reply_early(c, 0, PB_EINVALID_REQUEST, "%s", "msgid must be a uint32");
+            goto out;
+        }
+    } else if (!(notify && m->via.array.size == 3)) {
+        reply_early(c, 0, PB_EINVALID_REQUEST, "%s",
+                    "not a msgpack-RPC request [0, msgid, method, [params]] or notification [2, method, [params]]");
+        goto out;
+    }
+    const msgpack_object *meth = &a[notify ? 1 : 2], *pa = &a[notify ? 2 : 3];
+    const char *bad = NULL;
+    if (meth->type != MSGPACK_OBJECT_STR || !pb_utf8_valid(meth->via.str.ptr, meth->via.str.size))
+        bad = "method must be a UTF-8 string";
+    else if (pa->type != MSGPACK_OBJECT_ARRAY || pa->via.array.size != 1 ||
+             pa->via.array.ptr[0].type != MSGPACK_OBJECT_MAP)
+        bad = "params must be an array holding exactly one map";
+    if (bad) {
+        if (notify)
+            pb_log(PB_LOG_NOTICE, "connection %llu: bad notification dropped: %s", (unsigned long long)c->id, bad);
+        else
+            reply_early(c, (uint32_t)msgid, PB_EINVALID_REQUEST, "%s", bad);
+        goto out;
+    }
+
+    pb_req_t *r = calloc(1, sizeof *r);
+    if (r == NULL) {
+        if (!notify)
+            reply_early(c, (uint32_t)msgid, PB_ENOMEM, "%s", "out of memory");
+        goto out;
+    }
+    r->conn = c;
+    r->srv = s;
+    r->msgid = (uint32_t)msgid;
+    r->notify = notify;
+    c->refs++;
+    c->inflight++;
+    s->requests_in_flight++;
+    if (late) {
+        pb_err_set(&r->err, PB_ESHUTTING_DOWN, NULL, "the daemon is shutting down");
+        fail(r, PB_ESHUTTING_DOWN);
+        goto out;
+    }
+    const struct method *found = NULL;
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0] && !found; i++)
+        if (pb__obj_is_str(meth, methods[i].name))
+            found = &methods[i];
+    if (found == NULL) {
+        pb_err_set(&r->err, PB_EUNKNOWN_METHOD, "method", "unknown method '%.*s'",
+                   (int)(meth->via.str.size > 40 ? 40 : meth->via.str.size), meth->via.str.ptr);
+        fail(r, PB_EUNKNOWN_METHOD);
+        goto out;
+    }
+    found->fn(r, &pa->via.array.ptr[0], msg);
+out:
+    msgpack_unpacked_destroy(&up);
+}

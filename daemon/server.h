@@ -1,0 +1,100 @@
+/* The server: listening socket, connections, and the state they share.
+ *
+ * Glossary
+ *   server      one per process: config, loop, worker pool, tape table,
+ *               counters, the list of open connections.
+ *   connection  one accepted client socket (pb_conn_t): its read buffer
+ *               and framing state, its identity (SO_PEERCRED), the tapes
+ *               it created, its requests in flight.
+ *   request     one msgpack-RPC request or notification being served
+ *               (pb_req_t, rpc.h).
+ *   in flight   dispatched and not yet answered; past
+ *               max_inflight_per_connection the daemon stops reading.
+ *
+ * Ownership: the server owns its connections.  A connection is freed when
+ * its handle's close callback has run and no request refers to it (refs
+ * counts the handle and each request).  Replies to a closed connection are
+ * dropped.  Everything here runs on the loop thread. */
+#ifndef PB_SERVER_H
+#define PB_SERVER_H
+
+#include <msgpack.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "../proto/codec.h"
+#include "../proto/wire.h"
+#include "config.h"
+#include "pool.h"
+#include "tape.h"
+
+typedef struct pb_conn {
+    uv_pipe_t pipe;
+    struct pb_server *srv;
+    struct pb_conn *prev, *next;   /* server's list */
+    struct pb_conn *dnext;         /* server's list of conns with output */
+    int refs;
+    bool closing;
+    bool paused;                   /* reading stopped for back-pressure */
+    bool close_after_flush;        /* a parse error was answered */
+    bool shut_sent;                /* uv_shutdown issued for that */
+    bool dirty;
+    bool processing;               /* inside pb_conn_process */
+    uint64_t id;
+    uid_t uid;
+    pid_t pid;
+    char *buf;                     /* unprocessed bytes at buf[start, len) */
+    size_t cap, start, len;
+    pb_scan_t scan;
+    size_t inflight;
+    size_t ntapes;                 /* tapes created here and still held */
+    pb_tape_t *tapes;              /* their list */
+    msgpack_sbuffer obuf;          /* small replies waiting for the flush */
+    size_t pending_write;          /* bytes handed to uv_write, not done */
+    size_t drain_left;             /* on SIGTERM: bytes still served normally */
+} pb_conn_t;
+
+typedef struct pb_server {
+    uv_loop_t *loop;
+    pb_config_t cfg;
+    uv_pipe_t listener;
+    bool listening;
+    uv_signal_t sigterm, sigint;
+    uv_timer_t sweep, drain_timer;
+    uv_check_t flush;
+    pb_pool_t pool;
+    pb_tapes_t tapes;
+    pb_conn_t *conns, *dirty;
+    size_t nconns;
+    uint64_t next_conn_id;
+    uint64_t requests_served, requests_in_flight;
+    uint64_t start_ms;
+    bool draining;                 /* admin drain: no new forward calls */
+    bool stopping;                 /* SIGTERM or shutdown */
+    bool stopped;
+    uid_t self_uid;
+} pb_server_t;
+
+int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg);
+int pb_server_listen(pb_server_t *s);
+/* Begin the graceful stop of SIGTERM / shutdown. */
+void pb_server_stop(pb_server_t *s);
+/* Exit when stopping and nothing is left in flight. */
+void pb_server_maybe_finish(pb_server_t *s);
+void pb_server_destroy(pb_server_t *s);
+
+/* Connections (conn.c). */
+void pb_conn_accept(pb_server_t *s);
+/* Queue a reply; takes what o owns (o is emptied). */
+void pb_conn_send(pb_conn_t *c, pb_out_t *o);
+void pb_conn_close(pb_conn_t *c);
+void pb_conn_unref(pb_conn_t *c);
+/* A request of c finished: resume reading if it was paused. */
+void pb_conn_request_done(pb_conn_t *c);
+void pb_conn_flush_all(pb_server_t *s);
+/* Serve buffered messages (after a resume). */
+void pb_conn_process(pb_conn_t *c);
+
+#endif

@@ -1,0 +1,35 @@
+/* Matrix views over tensors and the BLAS calls on them.
+ *
+ * A view is a pointer, a shape and a memory order; its transpose is free
+ * (swap the sizes and flip the order), so one GEMM wrapper takes C- and
+ * F-ordered operands as they are and lets BLAS transpose on the fly.  The
+ * s/d/c/z calls are chosen by dtype here, once. */
+#ifndef PB_BLAS_H
+#define PB_BLAS_H
+
+#include <stddef.h>
+
+#include "tensor.h"
+
+typedef struct pb_mview {
+    void *p;
+    size_t rows, cols;
+    char order; /* 'C' or 'F' */
+} pb_mview_t;
+
+static inline pb_mview_t pb_mview_t_(pb_mview_t v)
+{
+    return (pb_mview_t){v.p, v.cols, v.rows, v.order == 'C' ? 'F' : 'C'};
+}
+#define pb_mview_transpose pb_mview_t_
+
+/* The view of a rank-2 tensor, or of a rank-1 tensor as one column. */
+pb_mview_t pb_mview_of(const pb_tensor_t *t);
+
+/* c = alpha·a·b + beta·c for views of dtype d (alpha, beta real). */
+void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta, pb_mview_t c);
+
+/* Keep BLAS single-threaded: the worker pool supplies the parallelism. */
+void pb_blas_init_threads(int n);
+
+#endif

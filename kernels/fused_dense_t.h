@@ -1,0 +1,98 @@
+/* Body of fused_dense for one real type, included by fused_dense.c with
+ * T (float or double), SFX (f or nothing) and DT (PB_F32 or PB_F64). */
+
+#define FD_CAT2(a, b) a##b
+#define FD_CAT(a, b) FD_CAT2(a, b)
+#define FD_FN(name) FD_CAT(name, FD_CAT(_, SFX))
+#define FD_VALUE FD_CAT(pb_act_value, SFX)
+#define FD_DERIV FD_CAT(pb_act_deriv, SFX)
+
+/* y = act(y + b) over an (out × batch) matrix in order `order`, saving z
+ * into zbuf when it is not NULL.  Instantiated per activation so the
+ * activation's switch folds away and the loop vectorises where it can. */
+static void FD_FN(bias_act)(int act, T *restrict y, T *restrict zbuf, const T *restrict b, size_t out,
+                            size_t batch, char order)
+{
+#define FD_LOOP(A)                                                                    \
+    if (order == 'C') {                                                               \
+        for (size_t i = 0; i < out; i++) {                                            \
+            T bi = b ? b[i] : (T)0;                                                   \
+            T *row = y + i * batch, *zr = zbuf ? zbuf + i * batch : NULL;             \
+            if (zr)                                                                   \
+                for (size_t j = 0; j < batch; j++) {                                  \
+                    T z = row[j] + bi;                                                \
+                    zr[j] = z;                                                        \
+                    row[j] = FD_VALUE(A, z);                                          \
+                }                                                                     \
+            else                                                                      \
+                for (size_t j = 0; j < batch; j++)                                    \
+                    row[j] = FD_VALUE(A, row[j] + bi);                                \
+        }                                                                             \
+    } else {                                                                          \
+        for (size_t j = 0; j < batch; j++) {                                          \
+            T *col = y + j * out, *zc = zbuf ? zbuf + j * out : NULL;                 \
+            if (zc)                                                                   \
+                for (size_t i = 0; i < out; i++) {                                    \
+                    T z = col[i] + (b ? b[i] : (T)0);                                 \
+                    zc[i] = z;                                                        \
+                    col[i] = FD_VALUE(A, z);                                          \
+                }                                                                     \
+            else if (b)                                                               \
+                for (size_t i = 0; i < out; i++)                                      \
+                    col[i] = FD_VALUE(A, col[i] + b[i]);                              \
+            else                                                                      \
+                for (size_t i = 0; i < out; i++)                                      \
+                    col[i] = FD_VALUE(A, col[i]);                                     \
+        }                                                                             \
+    }
+    PB_ACT_DISPATCH(act, FD_LOOP)
+#undef FD_LOOP
+}
+
+/* dz = ȳ ⊙ act′(s) in place over ȳ's copy, with b̄ += row sums of dz
+ * (bsum may be NULL).  dz, s in the same order. */
+static void FD_FN(dz_pass)(int act, T *restrict dz, const T *restrict s, double *restrict bsum, size_t out,
+                           size_t batch, char order)
+{
+#define FD_LOOP(A)                                                                    \
+    if (order == 'C') {                                                               \
+        for (size_t i = 0; i < out; i++) {                                            \
+            T *r = dz + i * batch;                                                    \
+            const T *sr = s ? s + i * batch : NULL;                                   \
+            double acc = 0;                                                           \
+            for (size_t j = 0; j < batch; j++) {                                      \
+                T v = sr ? r[j] * FD_DERIV(A, sr[j]) : r[j];                          \
+                r[j] = v;                                                             \
+                acc += v;                                                             \
+            }                                                                         \
+            if (bsum)                                                                 \
+                bsum[i] += acc;                                                       \
+        }                                                                             \
+    } else {                                                                          \
+        for (size_t j = 0; j < batch; j++) {                                          \
+            T *c = dz + j * out;                                                      \
+            const T *sc = s ? s + j * out : NULL;                                     \
+            for (size_t i = 0; i < out; i++) {                                        \
+                T v = sc ? c[i] * FD_DERIV(A, sc[i]) : c[i];                          \
+                c[i] = v;                                                             \
+                if (bsum)                                                             \
+                    bsum[i] += v;                                                     \
+            }                                                                         \
+        }                                                                             \
+    }
+    PB_ACT_DISPATCH(act, FD_LOOP)
+#undef FD_LOOP
+}
+
+static void FD_FN(store_bsum)(void *dst, const double *bsum, size_t out)
+{
+    T *b = dst;
+    for (size_t i = 0; i < out; i++)
+        b[i] = (T)bsum[i];
+}
+
+#undef FD_CAT2
+#undef FD_CAT
+#undef FD_FN
+#undef FD_VALUE
+#undef FD_DERIV

@@ -1,0 +1,163 @@
+#include "op.h"
+
+#include <string.h>
+
+#include "act.h"
+
+extern const pb_op_t pb_op_fused_dense;
+
+const pb_op_t *const pb_ops[] = {&pb_op_fused_dense};
+const int pb_nops = (int)(sizeof pb_ops / sizeof pb_ops[0]);
+
+const char *const pb_act_names[PB_NACTS + 1] = {
+#define PB_X(sym, name, src) name,
+    PB_ACT_TABLE(PB_X)
+#undef PB_X
+    NULL,
+};
+
+const enum pb_act_src pb_act_src[PB_NACTS] = {
+#define PB_X(sym, name, src) PB_ACT_FROM_##src,
+    PB_ACT_TABLE(PB_X)
+#undef PB_X
+};
+
+static bool eq(const char *a, const char *s, size_t len)
+{
+    return strlen(a) == len && memcmp(a, s, len) == 0;
+}
+
+const pb_op_t *pb_op_find(const char *name, size_t len)
+{
+    for (int i = 0; i < pb_nops; i++)
+        if (eq(pb_ops[i]->name, name, len))
+            return pb_ops[i];
+    return NULL;
+}
+
+int pb_op_input_index(const pb_op_t *op, const char *name, size_t len)
+{
+    for (int i = 0; i < op->ninputs; i++)
+        if (eq(op->inputs[i].name, name, len))
+            return i;
+    return -1;
+}
+
+int pb_op_output_index(const pb_op_t *op, const char *name, size_t len)
+{
+    for (int i = 0; i < op->noutputs; i++)
+        if (eq(op->outputs[i], name, len))
+            return i;
+    return -1;
+}
+
+int pb_op_wrt_index(const pb_op_t *op, const char *name, size_t len)
+{
+    for (int i = 0; i < op->nwrt; i++)
+        if (eq(op->wrt_names[i], name, len))
+            return i;
+    return -1;
+}
+
+int pb_op_option_index(const pb_op_t *op, const char *name, size_t len)
+{
+    for (int i = 0; i < op->noptions; i++)
+        if (eq(op->options[i].name, name, len))
+            return i;
+    return -1;
+}
+
+void pb_call_defaults(pb_call_t *c)
+{
+    for (int i = 0; i < c->op->noptions; i++) {
+        const pb_opt_spec_t *s = &c->op->options[i];
+        pb_optval_t *v = &c->opt[i];
+        if (v->given)
+            continue;
+        v->index = s->def_index;
+        v->re = s->def_re;
+        v->im = s->def_im;
+        v->b = s->def_re != 0;
+        v->i = (long long)s->def_re;
+    }
+}
+
+void pb_call_clear(pb_call_t *c)
+{
+    for (int i = 0; i < PB_MAX_IO; i++) {
+        pb_tensor_clear(&c->in[i]);
+        pb_tensor_clear(&c->out[i]);
+    }
+}
+
+static void meta_of(pb_tensor_t *m, const pb_tensor_t *t)
+{
+    *m = *t;
+    m->storage = NULL;
+    m->offset = 0;
+}
+
+void pb_tapedata_init(pb_tapedata_t *t, const pb_call_t *c)
+{
+    memset(t, 0, sizeof *t);
+    t->op = c->op;
+    t->device = c->device;
+    t->dtype = c->dtype;
+    t->wrt = c->wrt;
+    t->cost = c->cost;
+    for (int i = 0; i < PB_MAX_IO; i++) {
+        meta_of(&t->in_meta[i], &c->in[i]);
+        meta_of(&t->out_meta[i], &c->out_meta[i]);
+    }
+    memcpy(t->opt, c->opt, sizeof t->opt);
+}
+
+void pb_tapedata_clear(pb_tapedata_t *t)
+{
+    for (int i = 0; i < PB_MAX_SAVED; i++)
+        pb_tensor_clear(&t->saved[i]);
+}
+
+size_t pb_tapedata_bytes(const pb_tapedata_t *t)
+{
+    size_t n = 0;
+    for (int i = 0; i < PB_MAX_SAVED; i++)
+        if (t->saved[i].storage)
+            n += pb_tensor_bytes(&t->saved[i]);
+    return n;
+}
+
+int pb_op_run_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
+{
+    /* Bin payloads inside a message lie at any byte offset; BLAS and the
+     * kernels want naturally aligned elements. */
+    for (int i = 0; i < c->op->ninputs; i++)
+        if (c->in[i].storage && !pb_tensor_aligned(&c->in[i]) && pb_tensor_make_owned(&c->in[i]))
+            return pb_err_set(err, PB_ENOMEM, NULL, "out of memory aligning input %s", c->op->inputs[i].name);
+    if (tape)
+        pb_tapedata_init(tape, c);
+    int rc = c->op->forward[c->device.kind](c, tape, err);
+    if (rc && tape)
+        pb_tapedata_clear(tape);
+    return rc;
+}
+
+int pb_op_run_reverse(const pb_tapedata_t *tape, const pb_tensor_t *cot, pb_tensor_t *grad, char order,
+                      pb_warnings_t *warn, pb_err_t *err)
+{
+    pb_tensor_t aligned[PB_MAX_IO] = {{0}};
+    for (int i = 0; i < tape->op->noutputs; i++) {
+        if (cot[i].storage == NULL)
+            continue;
+        pb_tensor_ref(&aligned[i], &cot[i]);
+        if (!pb_tensor_aligned(&aligned[i]) && pb_tensor_make_owned(&aligned[i])) {
+            for (int k = 0; k < PB_MAX_IO; k++)
+                pb_tensor_clear(&aligned[k]);
+            return pb_err_set(err, PB_ENOMEM, NULL, "out of memory aligning cotangents");
+        }
+    }
+    int rc = tape->op->reverse[tape->device.kind](tape, aligned, grad, order, warn, err);
+    for (int k = 0; k < PB_MAX_IO; k++)
+        pb_tensor_clear(&aligned[k]);
+    return rc;
+}

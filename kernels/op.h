@@ -1,0 +1,148 @@
+/* The op table: every op pullbackd serves, described once.
+ *
+ * Glossary
+ *   op                one entry of the table (fused_dense, ...): names of
+ *                     inputs, outputs and options, the dtypes and devices it
+ *                     takes, and its functions.  `ops`, argument checking,
+ *                     dispatch and tape sizing all read the entry; the
+ *                     daemon has no op-specific code.
+ *   call              one invocation: the op, device, dtype, input tensors,
+ *                     parsed options, the wrt set and the output order.
+ *   wrt               the set of inputs (and alpha/beta) whose gradients a
+ *                     later reverse asks for; a bit mask over wrt_names.
+ *   tape              what a reverse needs, saved by augmented forward: the
+ *                     minimal set of tensors for the wrt set (pb_tapedata_t).
+ *   cotangent         the adjoint ȳ of an output handed to reverse; a
+ *                     missing one is zero.
+ *   gradient          the adjoint of an input, returned by reverse.
+ *
+ * Ownership: a pb_call_t owns one reference on each tensor in in[] and
+ * out[]; pb_call_clear drops them.  A pb_tapedata_t owns its saved[]
+ * tensors; pb_tapedata_clear drops them.  Op functions run on a worker
+ * thread (or inline for tiny calls) and touch only what they are given. */
+#ifndef PB_OP_H
+#define PB_OP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "../proto/errors.h"
+#include "tensor.h"
+
+#define PB_MAX_IO 4
+#define PB_MAX_OPTS 8
+#define PB_MAX_SAVED 6
+#define PB_MAX_WARNINGS 4
+
+typedef enum pb_opt_type {
+    PB_OPT_STR,     /* one of values[] when values is set */
+    PB_OPT_BOOL,
+    PB_OPT_INT,
+    PB_OPT_FLOAT,
+    PB_OPT_SCALAR,  /* real number or [re, im] */
+} pb_opt_type_t;
+
+typedef struct pb_opt_spec {
+    const char *name;
+    pb_opt_type_t type;
+    const char *const *values; /* allowed strings, NULL-terminated; or NULL */
+    int def_index;             /* default for enumerated strings */
+    double def_re, def_im;     /* default for numbers (and bool) */
+} pb_opt_spec_t;
+
+typedef struct pb_optval {
+    bool given;
+    int index;     /* enumerated string */
+    bool b;
+    long long i;
+    double re, im; /* numbers and scalars */
+} pb_optval_t;
+
+typedef struct pb_io_spec {
+    const char *name;
+    bool required;
+} pb_io_spec_t;
+
+struct pb_op;
+
+typedef struct pb_call {
+    const struct pb_op *op;
+    pb_device_t device;
+    pb_dtype_t dtype;        /* the dtype of the inputs */
+    pb_tensor_t in[PB_MAX_IO];  /* by input index; storage NULL if absent */
+    pb_optval_t opt[PB_MAX_OPTS];
+    unsigned wrt;            /* bits over op->wrt_names */
+    bool taped;              /* augmented forward: fill the tape */
+    char order;              /* 'C' or 'F' for outputs */
+    /* Set by validate: */
+    pb_tensor_t out_meta[PB_MAX_IO]; /* dtype and shape of each output */
+    size_t tape_bytes;       /* exact bytes the tape will hold for wrt */
+    double cost;             /* estimated floating-point operations */
+    /* Set by forward: */
+    pb_tensor_t out[PB_MAX_IO];
+} pb_call_t;
+
+typedef struct pb_tapedata {
+    const struct pb_op *op;
+    pb_device_t device;
+    pb_dtype_t dtype;
+    unsigned wrt;
+    double cost;                     /* the forward's estimated flops */
+    pb_tensor_t in_meta[PB_MAX_IO];  /* dtype/shape of inputs; no storage */
+    pb_tensor_t out_meta[PB_MAX_IO]; /* dtype/shape of outputs; no storage */
+    pb_optval_t opt[PB_MAX_OPTS];
+    pb_tensor_t saved[PB_MAX_SAVED]; /* op-defined slots, owned */
+} pb_tapedata_t;
+
+typedef struct pb_warnings {
+    int n;
+    char text[PB_MAX_WARNINGS][200];
+} pb_warnings_t;
+
+typedef struct pb_op {
+    const char *name;
+    const pb_io_spec_t *inputs;   /* ninputs entries */
+    int ninputs;
+    const char *const *outputs;   /* noutputs names */
+    int noutputs;
+    const pb_opt_spec_t *options; /* noptions entries */
+    int noptions;
+    const char *const *wrt_names; /* inputs first, then alpha/beta */
+    int nwrt;
+    unsigned dtypes;              /* PB_DTYPE_BIT mask */
+    unsigned devices;             /* 1u << pb_devkind_t */
+    /* Shapes, dtypes and option values; fills out_meta, tape_bytes, cost.
+     * Runs on the loop thread: no allocation beyond the call, no math. */
+    int (*validate)(pb_call_t *c, pb_err_t *err);
+    /* Per device kind; NULL where the op has no implementation.  forward
+     * fills c->out; with c->taped it also fills tape->saved. */
+    int (*forward[2])(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err);
+    /* cot[] by output index (storage NULL: zero), grad[] by wrt index,
+     * filled for the bits of tape->wrt, in the given order. */
+    int (*reverse[2])(const pb_tapedata_t *tape, const pb_tensor_t *cot, pb_tensor_t *grad, char order,
+                      pb_warnings_t *warn, pb_err_t *err);
+} pb_op_t;
+
+/* The table, and lookup by name (NULL if unknown). */
+extern const pb_op_t *const pb_ops[];
+extern const int pb_nops;
+const pb_op_t *pb_op_find(const char *name, size_t len);
+int pb_op_input_index(const pb_op_t *op, const char *name, size_t len);
+int pb_op_output_index(const pb_op_t *op, const char *name, size_t len);
+int pb_op_wrt_index(const pb_op_t *op, const char *name, size_t len);
+int pb_op_option_index(const pb_op_t *op, const char *name, size_t len);
+
+/* Set defaults for every option not given. */
+void pb_call_defaults(pb_call_t *c);
+void pb_call_clear(pb_call_t *c);
+/* Move c's identity (op, device, dtype, wrt, metas, options) into t. */
+void pb_tapedata_init(pb_tapedata_t *t, const pb_call_t *c);
+void pb_tapedata_clear(pb_tapedata_t *t);
+size_t pb_tapedata_bytes(const pb_tapedata_t *t);
+
+/* Run a whole call on its device: forward (and the tape when c->taped). */
+int pb_op_run_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err);
+int pb_op_run_reverse(const pb_tapedata_t *tape, const pb_tensor_t *cot, pb_tensor_t *grad, char order,
+                      pb_warnings_t *warn, pb_err_t *err);
+
+#endif

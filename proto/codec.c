@@ -1,0 +1,264 @@
+#include "codec.h"
+
+#include <string.h>
+
+const msgpack_object *pb__obj_get(const msgpack_object *map, const char *key)
+{
+    if (map == NULL || map->type != MSGPACK_OBJECT_MAP)
+        return NULL;
+    size_t kl = strlen(key);
+    for (uint32_t i = 0; i < map->via.map.size; i++) {
+        const msgpack_object *k = &map->via.map.ptr[i].key;
+        if (k->type == MSGPACK_OBJECT_STR && k->via.str.size == kl && memcmp(k->via.str.ptr, key, kl) == 0)
+            return &map->via.map.ptr[i].val;
+    }
+    return NULL;
+}
+
+bool pb__obj_is_str(const msgpack_object *o, const char *s)
+{
+    size_t l = strlen(s);
+    return o && o->type == MSGPACK_OBJECT_STR && o->via.str.size == l && memcmp(o->via.str.ptr, s, l) == 0;
+}
+
+bool pb__obj_uint(const msgpack_object *o, uint64_t *v)
+{
+    if (o == NULL || o->type != MSGPACK_OBJECT_POSITIVE_INTEGER)
+        return false;
+    *v = o->via.u64;
+    return true;
+}
+
+bool pb__obj_number(const msgpack_object *o, double *v)
+{
+    if (o == NULL)
+        return false;
+    switch (o->type) {
+    case MSGPACK_OBJECT_POSITIVE_INTEGER: *v = (double)o->via.u64; return true;
+    case MSGPACK_OBJECT_NEGATIVE_INTEGER: *v = (double)o->via.i64; return true;
+    case MSGPACK_OBJECT_FLOAT32:
+    case MSGPACK_OBJECT_FLOAT64: *v = o->via.f64; return true;
+    default: return false;
+    }
+}
+
+bool pb_utf8_valid(const char *str, size_t len)
+{
+    const unsigned char *s = (const unsigned char *)str;
+    size_t i = 0;
+    while (i < len) {
+        unsigned c = s[i];
+        size_t n;
+        unsigned min;
+        if (c < 0x80) {
+            i++;
+            continue;
+        } else if ((c & 0xe0) == 0xc0) {
+            n = 1, min = 0x80, c &= 0x1f;
+        } else if ((c & 0xf0) == 0xe0) {
+            n = 2, min = 0x800, c &= 0x0f;
+        } else if ((c & 0xf8) == 0xf0) {
+            n = 3, min = 0x10000, c &= 0x07;
+        } else {
+            return false;
+        }
+        if (i + n >= len)
+            return false;
+        for (size_t k = 1; k <= n; k++) {
+            if ((s[i + k] & 0xc0) != 0x80)
+                return false;
+            c = c << 6 | (s[i + k] & 0x3f);
+        }
+        if (c < min || c > 0x10ffff || (c >= 0xd800 && c <= 0xdfff))
+            return false;
+        i += n + 1;
+    }
+    return true;
+}
+
+int pb_tensor_decode(const msgpack_object *o, pb_storage_t *msg, const char *what, pb_tensor_t *t, pb_err_t *err)
+{
+    if (o->type != MSGPACK_OBJECT_MAP)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s must be a tensor map {dtype, shape, data}", what);
+    const msgpack_object *dt = NULL, *shape = NULL, *order = NULL, *data = NULL;
+    for (uint32_t i = 0; i < o->via.map.size; i++) {
+        const msgpack_object *k = &o->via.map.ptr[i].key, *v = &o->via.map.ptr[i].val;
+        if (pb__obj_is_str(k, "dtype"))
+            dt = v;
+        else if (pb__obj_is_str(k, "shape"))
+            shape = v;
+        else if (pb__obj_is_str(k, "order"))
+            order = v;
+        else if (pb__obj_is_str(k, "data"))
+            data = v;
+        else if (pb__obj_is_str(k, "buffer") || pb__obj_is_str(k, "offset"))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                              "%s: shared-memory buffers are not registered on this connection (register_buffer "
+                              "is not supported by this daemon yet); send the values in data",
+                              what);
+        else if (k->type == MSGPACK_OBJECT_STR)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: unknown tensor key '%.*s'", what,
+                              (int)(k->via.str.size > 40 ? 40 : k->via.str.size), k->via.str.ptr);
+        else
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: tensor keys must be strings", what);
+    }
+    pb_dtype_t d;
+    if (dt == NULL || dt->type != MSGPACK_OBJECT_STR)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: dtype must be one of \"f32\", \"f64\", \"c64\", \"c128\"",
+                          what);
+    if (pb_dtype_parse(dt->via.str.ptr, dt->via.str.size, &d))
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                          "%s: unknown dtype '%.*s' (expected \"f32\", \"f64\", \"c64\" or \"c128\")", what,
+                          (int)(dt->via.str.size > 20 ? 20 : dt->via.str.size), dt->via.str.ptr);
+    if (shape == NULL || shape->type != MSGPACK_OBJECT_ARRAY)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: shape must be an array of non-negative integers",
+                          what);
+    if (shape->via.array.size > PB_MAX_RANK)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: rank %u is above the maximum of %d", what,
+                          shape->via.array.size, PB_MAX_RANK);
+    char ord = 'C';
+    if (order) {
+        if (pb__obj_is_str(order, "C"))
+            ord = 'C';
+        else if (pb__obj_is_str(order, "F"))
+            ord = 'F';
+        else
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: order must be \"C\" or \"F\"", what);
+    }
+    pb_tensor_t r = {0};
+    r.dtype = d;
+    r.rank = (int)shape->via.array.size;
+    r.order = ord;
+    for (int i = 0; i < r.rank; i++) {
+        if (!pb__obj_uint(&shape->via.array.ptr[i], &r.shape[i]))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                              "%s: shape[%d] must be a non-negative integer", what, i);
+    }
+    size_t bytes;
+    if (!pb_shape_count(r.rank, r.shape, pb_dtype_size(d), NULL, &bytes))
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: the product of the shape overflows", what);
+    if (data == NULL || data->type != MSGPACK_OBJECT_BIN)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: data must be bin (little-endian values)", what);
+    if (data->via.bin.size != bytes)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                          "%s: data holds %u bytes but shape and dtype need %zu", what, data->via.bin.size, bytes);
+    const char *base = msg->ptr;
+    if (data->via.bin.size && (data->via.bin.ptr < base || data->via.bin.ptr + data->via.bin.size > base + msg->size))
+        return pb_err_set(err, PB_EINTERNAL, what, "%s: data outside the message", what);
+    r.storage = pb_storage_ref(msg);
+    r.offset = data->via.bin.size ? (size_t)(data->via.bin.ptr - base) : 0;
+    *t = r;
+    return 0;
+}
+
+void pb_out_init(pb_out_t *o)
+{
+    msgpack_sbuffer_init(&o->sb);
+    msgpack_packer_init(&o->pk, &o->sb, msgpack_sbuffer_write);
+    o->nseg = 0;
+}
+
+void pb_out_free(pb_out_t *o)
+{
+    for (int i = 0; i < o->nseg; i++)
+        pb_storage_unref(o->seg[i].hold);
+    o->nseg = 0;
+    msgpack_sbuffer_destroy(&o->sb);
+}
+
+void pb_out_str(pb_out_t *o, const char *s)
+{
+    size_t l = strlen(s);
+    msgpack_pack_str(&o->pk, l);
+    msgpack_pack_str_body(&o->pk, s, l);
+}
+
+/* Below this a payload is copied: an iovec costs more than the copy. */
+#define PB_OUT_INLINE 16384
+
+void pb_out_bin(pb_out_t *o, const void *p, size_t len, pb_storage_t *s)
+{
+    msgpack_pack_bin(&o->pk, len);
+    if (len < PB_OUT_INLINE || s == NULL || o->nseg == PB_OUT_MAXSEG) {
+        msgpack_pack_bin_body(&o->pk, p, len);
+        return;
+    }
+    o->seg[o->nseg++] = (struct pb_out_seg){o->sb.size, p, len, pb_storage_ref(s)};
+}
+
+void pb_out_tensor(pb_out_t *o, const pb_tensor_t *t)
+{
+    msgpack_pack_map(&o->pk, 4);
+    pb_out_str(o, "dtype");
+    pb_out_str(o, pb_dtype_name(t->dtype));
+    pb_out_str(o, "shape");
+    msgpack_pack_array(&o->pk, (size_t)t->rank);
+    for (int i = 0; i < t->rank; i++)
+        msgpack_pack_uint64(&o->pk, t->shape[i]);
+    pb_out_str(o, "order");
+    pb_out_str(o, t->order == 'F' ? "F" : "C");
+    pb_out_str(o, "data");
+    pb_out_bin(o, pb_tensor_data(t), pb_tensor_bytes(t), t->storage);
+}
+
+void pb_out_error_response(pb_out_t *o, uint32_t msgid, const pb_err_t *err)
+{
+    msgpack_pack_array(&o->pk, 4);
+    msgpack_pack_int(&o->pk, 1);
+    msgpack_pack_uint32(&o->pk, msgid);
+    int n = 2 + (err->arg[0] != 0) + (err->has_info != 0) + (err->code == PB_ERESOURCE_EXHAUSTED && err->arg[0]);
+    msgpack_pack_map(&o->pk, (size_t)n);
+    pb_out_str(o, "code");
+    pb_out_str(o, pb_strerror_code(err->code));
+    pb_out_str(o, "message");
+    pb_out_str(o, err->message[0] ? err->message : pb_strerror(err->code));
+    if (err->arg[0]) {
+        pb_out_str(o, "arg");
+        pb_out_str(o, err->arg);
+    }
+    if (err->code == PB_ERESOURCE_EXHAUSTED && err->arg[0]) {
+        pb_out_str(o, "limit");
+        pb_out_str(o, err->arg);
+    }
+    if (err->has_info) {
+        pb_out_str(o, "info");
+        msgpack_pack_int64(&o->pk, err->info);
+    }
+    msgpack_pack_nil(&o->pk);
+}
+
+void pb_out_result_header(pb_out_t *o, uint32_t msgid)
+{
+    msgpack_pack_array(&o->pk, 4);
+    msgpack_pack_int(&o->pk, 1);
+    msgpack_pack_uint32(&o->pk, msgid);
+    msgpack_pack_nil(&o->pk);
+}
+
+int pb_out_iov(const pb_out_t *o, const void **ptr, size_t *len, int max)
+{
+    int n = 0;
+    size_t at = 0;
+    for (int i = 0; i < o->nseg && n + 2 < max; i++) {
+        if (o->seg[i].at > at) {
+            ptr[n] = o->sb.data + at;
+            len[n++] = o->seg[i].at - at;
+        }
+        ptr[n] = o->seg[i].p;
+        len[n++] = o->seg[i].len;
+        at = o->seg[i].at;
+    }
+    if (o->sb.size > at && n < max) {
+        ptr[n] = o->sb.data + at;
+        len[n++] = o->sb.size - at;
+    }
+    return n;
+}
+
+size_t pb_out_size(const pb_out_t *o)
+{
+    size_t n = o->sb.size;
+    for (int i = 0; i < o->nseg; i++)
+        n += o->seg[i].len;
+    return n;
+}

@@ -1,0 +1,66 @@
+/* The value codec: msgpack objects to tensors and options, and replies
+ * back to bytes.
+ *
+ * Decoding runs on the loop thread over a message that passed the framing
+ * scan (wire.h).  A decoded tensor is a view into the message's storage
+ * (one reference), so a large input is never copied on the loop.
+ *
+ * Replies are built in a pb_out_t: small values are packed into one
+ * buffer, large bin payloads (tensor data) are referenced in place, with a
+ * reference on their storage, and go out as separate iovecs.  The pb_out_t
+ * owns its buffer and those references until pb_out_free. */
+#ifndef PB_CODEC_H
+#define PB_CODEC_H
+
+#include <msgpack.h>
+#include <stdbool.h>
+
+#include "../kernels/tensor.h"
+#include "errors.h"
+
+/* Map lookup by key; NULL when absent or not a map. */
+const msgpack_object *pb__obj_get(const msgpack_object *map, const char *key);
+bool pb__obj_is_str(const msgpack_object *o, const char *s);
+/* A uint that fits in uint64 (positive fixint or uint). */
+bool pb__obj_uint(const msgpack_object *o, uint64_t *v);
+/* Any number (int or float). */
+bool pb__obj_number(const msgpack_object *o, double *v);
+/* True when every byte of a str is valid UTF-8. */
+bool pb_utf8_valid(const char *s, size_t len);
+
+/* Decode the tensor map o into t, viewing the bytes of msg (which holds
+ * the message the object was unpacked from).  what names the argument in
+ * errors ("inputs.x").  0 or PB_EINVALID_ARGUMENT / PB_ENOMEM with err. */
+int pb_tensor_decode(const msgpack_object *o, pb_storage_t *msg, const char *what, pb_tensor_t *t, pb_err_t *err);
+
+/* Reply builder. */
+#define PB_OUT_MAXSEG 16
+typedef struct pb_out {
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    int nseg;
+    struct pb_out_seg {
+        size_t at; /* offset in sb after which this payload goes */
+        const void *p;
+        size_t len;
+        pb_storage_t *hold;
+    } seg[PB_OUT_MAXSEG];
+} pb_out_t;
+
+void pb_out_init(pb_out_t *o);
+void pb_out_free(pb_out_t *o);
+void pb_out_str(pb_out_t *o, const char *s);
+/* A bin payload from storage s (referenced when large, copied else). */
+void pb_out_bin(pb_out_t *o, const void *p, size_t len, pb_storage_t *s);
+/* {dtype, shape, order, data} of t in its own order. */
+void pb_out_tensor(pb_out_t *o, const pb_tensor_t *t);
+/* [1, msgid, error, nil] for err. */
+void pb_out_error_response(pb_out_t *o, uint32_t msgid, const pb_err_t *err);
+/* The start of [1, msgid, nil, <result packed next>]. */
+void pb_out_result_header(pb_out_t *o, uint32_t msgid);
+/* The iovecs of the whole reply: fills up to max pairs (ptr, len) and
+ * returns the count. */
+int pb_out_iov(const pb_out_t *o, const void **ptr, size_t *len, int max);
+size_t pb_out_size(const pb_out_t *o);
+
+#endif

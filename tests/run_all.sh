@@ -1,0 +1,12 @@
+#!/bin/sh
+# Every test of pullbackd: the suites in a normal build, then again in an
+# ASan+UBSan build.  Run from the repository root.
+set -eu
+cd "$(dirname "$0")/.."
+[ -d build ] || meson setup build
+ninja -C build
+meson test -C build --print-errorlogs
+[ -d build-asan ] || meson setup build-asan -Db_sanitize=address,undefined -Db_lundef=false --buildtype=debug
+ninja -C build-asan
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+    meson test -C build-asan --print-errorlogs

@@ -1,0 +1,167 @@
+/* unit.tape: the tape table (daemon/tape.c): handles, epochs, limits and
+ * byte accounting.  Scopes and TTL, which live in the request layer, are
+ * tested end to end (e2e_daemon). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "daemon/tape.h"
+
+static pb_tapedata_t data_of(size_t bytes)
+{
+    pb_tapedata_t d;
+    memset(&d, 0, sizeof d);
+    uint64_t shape[1] = {bytes / 4}; /* f32: exactly bytes */
+    assert_int_equal(pb_tensor_alloc(&d.saved[0], PB_F32, 1, shape, 'C', true), 0);
+    return d;
+}
+
+static pb_tape_t *add(pb_tapes_t *t, uid_t uid, size_t bytes)
+{
+    pb_err_t err;
+    if (pb_tapes_reserve(t, uid, bytes, &err))
+        return NULL;
+    pb_tapedata_t d = data_of(bytes);
+    pb_tape_t *tape = pb_tapes_insert(t, uid, bytes, &d);
+    assert_non_null(tape);
+    return tape;
+}
+
+static void insert_find_remove(void **state)
+{
+    (void)state;
+    pb_tapes_t t;
+    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20), 0);
+    pb_tape_t *a = add(&t, 1000, 400);
+    pb_tape_t *b = add(&t, 1000, 800);
+    assert_ptr_equal(pb_tapes_find(&t, a->handle), a);
+    assert_ptr_equal(pb_tapes_find(&t, b->handle), b);
+    assert_int_equal(t.count, 2);
+    assert_int_equal(t.bytes, 1200);
+    assert_int_equal(pb_tapes_peer(&t, 1000)->bytes, 1200);
+    uint64_t ha = a->handle;
+    pb_tapes_remove(&t, a);
+    assert_null(pb_tapes_find(&t, ha));
+    assert_int_equal(t.bytes, 800);
+    assert_int_equal(pb_tapes_peer(&t, 1000)->tapes, 1);
+    pb_tapes_destroy(&t);
+}
+
+/* Handles are never reused within a run, across many inserts and removes
+ * and table growth. */
+static void no_reuse(void **state)
+{
+    (void)state;
+    pb_tapes_t t;
+    assert_int_equal(pb_tapes_init(&t, SIZE_MAX / 2, SIZE_MAX / 2), 0);
+    enum { N = 20000 };
+    uint64_t *seen = malloc(N * sizeof *seen);
+    pb_tape_t *live[64] = {0};
+    for (int i = 0; i < N; i++) {
+        int slot = i % 64;
+        if (live[slot])
+            pb_tapes_remove(&t, live[slot]);
+        live[slot] = add(&t, 1, 4);
+        seen[i] = live[slot]->handle;
+        assert_true(seen[i] != 0);
+    }
+    /* Sorted, all distinct. */
+    for (int i = 1; i < N; i++)
+        for (int j = i; j > 0 && seen[j - 1] > seen[j]; j--) {
+            uint64_t x = seen[j];
+            seen[j] = seen[j - 1];
+            seen[j - 1] = x;
+        }
+    for (int i = 1; i < N; i++)
+        assert_true(seen[i] != seen[i - 1]);
+    free(seen);
+    pb_tapes_destroy(&t);
+}
+
+/* Two runs (two tables) give unrelated handles: a handle of one is unknown
+ * to the other even when the other holds as many tapes. */
+static void epochs(void **state)
+{
+    (void)state;
+    pb_tapes_t a, b;
+    assert_int_equal(pb_tapes_init(&a, 1 << 20, 1 << 20), 0);
+    assert_int_equal(pb_tapes_init(&b, 1 << 20, 1 << 20), 0);
+    assert_true(a.epoch != b.epoch || a.key != b.key);
+    uint64_t ha[100];
+    for (int i = 0; i < 100; i++)
+        ha[i] = add(&a, 1, 4)->handle;
+    for (int i = 0; i < 100; i++)
+        add(&b, 1, 4);
+    for (int i = 0; i < 100; i++)
+        assert_null(pb_tapes_find(&b, ha[i]));
+    /* Forged neighbours of a real handle find nothing. */
+    for (int i = 0; i < 100; i++) {
+        assert_null(pb_tapes_find(&a, ha[i] + 1));
+        assert_null(pb_tapes_find(&a, ha[i] ^ (1ull << 63)));
+    }
+    pb_tapes_destroy(&a);
+    pb_tapes_destroy(&b);
+}
+
+static void limits(void **state)
+{
+    (void)state;
+    pb_tapes_t t;
+    pb_err_t err;
+    assert_int_equal(pb_tapes_init(&t, 1000, 600), 0);
+    assert_non_null(add(&t, 1, 400));
+    /* Per uid: 400 held + 400 > 600. */
+    assert_int_equal(pb_tapes_reserve(&t, 1, 400, &err), PB_ERESOURCE_EXHAUSTED);
+    assert_string_equal(err.arg, "max_tape_bytes_per_uid");
+    /* Another uid may: 400 + 400 <= 1000 total. */
+    assert_int_equal(pb_tapes_reserve(&t, 2, 400, &err), 0);
+    /* Reservations count: 800 held or reserved, 300 more is over 1000. */
+    assert_int_equal(pb_tapes_reserve(&t, 3, 300, &err), PB_ERESOURCE_EXHAUSTED);
+    assert_string_equal(err.arg, "max_tape_bytes");
+    pb_tapes_unreserve(&t, 2, 400);
+    assert_int_equal(pb_tapes_reserve(&t, 3, 300, &err), 0);
+    pb_tapes_unreserve(&t, 3, 300);
+    assert_int_equal(t.reserved, 0);
+    /* A zero-byte tape always fits. */
+    assert_int_equal(pb_tapes_reserve(&t, 1, 0, &err), 0);
+    pb_tapes_unreserve(&t, 1, 0);
+    pb_tapes_destroy(&t);
+}
+
+static int visited;
+static void count_and_remove(pb_tape_t *tape, void *ctx)
+{
+    visited++;
+    pb_tapes_remove(ctx, tape);
+}
+
+static void foreach_remove(void **state)
+{
+    (void)state;
+    pb_tapes_t t;
+    assert_int_equal(pb_tapes_init(&t, 1 << 30, 1 << 30), 0);
+    for (int i = 0; i < 3000; i++)
+        add(&t, (uid_t)(i % 3), 8);
+    visited = 0;
+    pb_tapes_foreach(&t, count_and_remove, &t);
+    assert_int_equal(visited, 3000);
+    assert_int_equal(t.count, 0);
+    assert_int_equal(t.bytes, 0);
+    for (uid_t u = 0; u < 3; u++)
+        assert_int_equal(pb_tapes_peer(&t, u)->bytes, 0);
+    pb_tapes_destroy(&t);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(insert_find_remove), cmocka_unit_test(no_reuse), cmocka_unit_test(epochs),
+        cmocka_unit_test(limits), cmocka_unit_test(foreach_remove),
+    };
+    return cmocka_run_group_tests_name("unit.tape", tests, NULL, NULL);
+}

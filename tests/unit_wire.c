@@ -1,0 +1,344 @@
+/* unit.wire: framing of msgpack-RPC messages (proto/wire.c) and the
+ * tensor decoder (proto/codec.c). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+#include <msgpack.h>
+
+#include "proto/codec.h"
+#include "proto/wire.h"
+
+#define LIMIT (1u << 20)
+
+static size_t pack_request(msgpack_sbuffer *sb, uint32_t msgid)
+{
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 0);
+    msgpack_pack_uint32(&pk, msgid);
+    msgpack_pack_str_with_body(&pk, "hello", 5);
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_map(&pk, 1);
+    msgpack_pack_str_with_body(&pk, "blob", 4);
+    char blob[300];
+    memset(blob, 7, sizeof blob);
+    msgpack_pack_bin_with_body(&pk, blob, sizeof blob);
+    return sb->size;
+}
+
+static void whole_message(void **state)
+{
+    (void)state;
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    size_t n = pack_request(&sb, 7);
+    pb_scan_t s;
+    pb_scan_reset(&s);
+    size_t len = 0;
+    assert_int_equal(pb_scan_feed(&s, (uint8_t *)sb.data, sb.size, LIMIT, &len), 1);
+    assert_int_equal(len, n);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+/* Every split point of a message, fed one byte more at a time. */
+static void partial_reads(void **state)
+{
+    (void)state;
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    size_t n = pack_request(&sb, 9);
+    for (size_t cut = 0; cut < n; cut++) {
+        pb_scan_t s;
+        pb_scan_reset(&s);
+        size_t len = 0;
+        assert_int_equal(pb_scan_feed(&s, (uint8_t *)sb.data, cut, LIMIT, &len), 0);
+        assert_int_equal(pb_scan_feed(&s, (uint8_t *)sb.data, n, LIMIT, &len), 1);
+        assert_int_equal(len, n);
+    }
+    /* Byte by byte, resuming each time. */
+    pb_scan_t s;
+    pb_scan_reset(&s);
+    size_t len = 0;
+    for (size_t i = 1; i < n; i++)
+        assert_int_equal(pb_scan_feed(&s, (uint8_t *)sb.data, i, LIMIT, &len), 0);
+    assert_int_equal(pb_scan_feed(&s, (uint8_t *)sb.data, n, LIMIT, &len), 1);
+    assert_int_equal(len, n);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+static void back_to_back(void **state)
+{
+    (void)state;
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    size_t one = pack_request(&sb, 1);
+    for (uint32_t i = 2; i <= 50; i++)
+        pack_request(&sb, i);
+    size_t off = 0;
+    int count = 0;
+    while (off < sb.size) {
+        pb_scan_t s;
+        pb_scan_reset(&s);
+        size_t len = 0;
+        assert_int_equal(pb_scan_feed(&s, (uint8_t *)sb.data + off, sb.size - off, LIMIT, &len), 1);
+        assert_int_equal(len, one);
+        msgpack_unpacked up;
+        msgpack_unpacked_init(&up);
+        size_t uo = 0;
+        assert_int_equal(msgpack_unpack_next(&up, sb.data + off, len, &uo), MSGPACK_UNPACK_SUCCESS);
+        assert_int_equal(up.data.via.array.ptr[1].via.u64, (uint64_t)count + 1);
+        msgpack_unpacked_destroy(&up);
+        off += len;
+        count++;
+    }
+    assert_int_equal(count, 50);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+static int scan_bytes(const uint8_t *b, size_t n, size_t limit, const char **why)
+{
+    pb_scan_t s;
+    pb_scan_reset(&s);
+    size_t len;
+    int rc = pb_scan_feed(&s, b, n, limit, &len);
+    if (why)
+        *why = s.why;
+    return rc;
+}
+
+static void map32_bomb(void **state)
+{
+    (void)state;
+    const uint8_t bomb[] = {0xdf, 0xff, 0xff, 0xff, 0xff};
+    const char *why = NULL;
+    assert_int_equal(scan_bytes(bomb, sizeof bomb, LIMIT, &why), PB_EPARSE);
+    assert_non_null(strstr(why, "more elements"));
+    const uint8_t arr[] = {0xdd, 0x7f, 0xff, 0xff, 0xff};
+    assert_int_equal(scan_bytes(arr, sizeof arr, LIMIT, NULL), PB_EPARSE);
+    /* A str32 or bin32 longer than the limit, before its body arrives. */
+    const uint8_t str[] = {0xdb, 0x00, 0x20, 0x00, 0x00};
+    assert_int_equal(scan_bytes(str, sizeof str, LIMIT, NULL), PB_EPARSE);
+    const uint8_t bin[] = {0x91, 0xc6, 0xff, 0xff, 0xff, 0xf0};
+    assert_int_equal(scan_bytes(bin, sizeof bin, LIMIT, NULL), PB_EPARSE);
+    /* The same header within the limit just waits for more. */
+    const uint8_t ok[] = {0xc6, 0x00, 0x00, 0x01, 0x00};
+    assert_int_equal(scan_bytes(ok, sizeof ok, LIMIT, NULL), 0);
+}
+
+static void oversize(void **state)
+{
+    (void)state;
+    /* A valid message larger than the limit. */
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    size_t n = pack_request(&sb, 1);
+    assert_int_equal(scan_bytes((uint8_t *)sb.data, n, n - 1, NULL), PB_EPARSE);
+    assert_int_equal(scan_bytes((uint8_t *)sb.data, n, n, NULL), 1);
+    /* An endless array of nils: refused once past the limit, not buffered. */
+    uint8_t flood[2048];
+    flood[0] = 0xdc, flood[1] = 0x07, flood[2] = 0xff;
+    memset(flood + 3, 0xc0, sizeof flood - 3);
+    assert_int_equal(scan_bytes(flood, sizeof flood, 1500, NULL), PB_EPARSE);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+static void garbage(void **state)
+{
+    (void)state;
+    const uint8_t c1[] = {0xc1};
+    assert_int_equal(scan_bytes(c1, 1, LIMIT, NULL), PB_EPARSE);
+    const uint8_t inner[] = {0x92, 0x01, 0xc1};
+    assert_int_equal(scan_bytes(inner, sizeof inner, LIMIT, NULL), PB_EPARSE);
+    /* Plain text is a sequence of fixints and fixstr: not an error for
+     * framing, it is decoded and answered invalid_request. */
+    const uint8_t txt[] = "GET / HTTP/1.1\r\n";
+    size_t len;
+    pb_scan_t s;
+    pb_scan_reset(&s);
+    assert_int_equal(pb_scan_feed(&s, txt, sizeof txt - 1, LIMIT, &len), 1);
+    assert_int_equal(len, 1);
+}
+
+static void depth(void **state)
+{
+    (void)state;
+    uint8_t b[64];
+    /* 32 nested arrays holding nil: allowed, and msgpack-c unpacks it. */
+    memset(b, 0x91, 32);
+    b[32] = 0xc0;
+    assert_int_equal(scan_bytes(b, 33, LIMIT, NULL), 1);
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    assert_int_equal(msgpack_unpack_next(&up, (char *)b, 33, &off), MSGPACK_UNPACK_SUCCESS);
+    msgpack_unpacked_destroy(&up);
+    /* 33: refused. */
+    memset(b, 0x91, 33);
+    b[33] = 0xc0;
+    const char *why;
+    assert_int_equal(scan_bytes(b, 34, LIMIT, &why), PB_EPARSE);
+    assert_non_null(strstr(why, "nesting"));
+    /* Empty containers do not open a level. */
+    memset(b, 0x91, 32);
+    b[32] = 0x90;
+    assert_int_equal(scan_bytes(b, 33, LIMIT, NULL), 1);
+}
+
+static void every_type(void **state)
+{
+    (void)state;
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 20);
+    msgpack_pack_nil(&pk);
+    msgpack_pack_true(&pk);
+    msgpack_pack_int8(&pk, -100);
+    msgpack_pack_int16(&pk, -30000);
+    msgpack_pack_int32(&pk, -3000000);
+    msgpack_pack_int64(&pk, -30000000000ll);
+    msgpack_pack_uint8(&pk, 200);
+    msgpack_pack_uint16(&pk, 60000);
+    msgpack_pack_uint32(&pk, 4000000000u);
+    msgpack_pack_uint64(&pk, 1ull << 60);
+    msgpack_pack_float(&pk, 1.5f);
+    msgpack_pack_double(&pk, 2.5);
+    char big[70000];
+    memset(big, 'a', sizeof big);
+    msgpack_pack_str_with_body(&pk, big, 40);
+    msgpack_pack_str_with_body(&pk, big, 300);
+    msgpack_pack_str_with_body(&pk, big, 70000);
+    msgpack_pack_bin_with_body(&pk, big, 300);
+    msgpack_pack_ext_with_body(&pk, big, 1, 5);
+    msgpack_pack_ext_with_body(&pk, big, 16, 5);
+    msgpack_pack_ext_with_body(&pk, big, 300, 5);
+    msgpack_pack_map(&pk, 1);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_int(&pk, 2);
+    size_t len;
+    pb_scan_t s;
+    pb_scan_reset(&s);
+    assert_int_equal(pb_scan_feed(&s, (uint8_t *)sb.data, sb.size, LIMIT, &len), 1);
+    assert_int_equal(len, sb.size);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+static void too_many_elements(void **state)
+{
+    (void)state;
+    /* A million and more nils fit in the byte limit but not the element cap. */
+    size_t n = PB_WIRE_MAX_ELEMENTS + 10;
+    uint8_t *b = malloc(n + 5);
+    b[0] = 0xdd;
+    b[1] = (uint8_t)(n >> 24), b[2] = (uint8_t)(n >> 16), b[3] = (uint8_t)(n >> 8), b[4] = (uint8_t)n;
+    memset(b + 5, 0xc0, n);
+    assert_int_equal(scan_bytes(b, n + 5, 64u << 20, NULL), PB_EPARSE);
+    free(b);
+}
+
+/* The tensor decoder refuses every malformed tensor before allocating. */
+static int decode(const char *dtype, int rank, const uint64_t *shape, const char *order, size_t datalen,
+                  pb_tensor_t *t, pb_err_t *err)
+{
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, order ? 4 : 3);
+    msgpack_pack_str_with_body(&pk, "dtype", 5);
+    msgpack_pack_str_with_body(&pk, dtype, strlen(dtype));
+    msgpack_pack_str_with_body(&pk, "shape", 5);
+    msgpack_pack_array(&pk, (size_t)rank);
+    for (int i = 0; i < rank; i++) {
+        if (shape[i] == UINT64_MAX)
+            msgpack_pack_int(&pk, -1);
+        else
+            msgpack_pack_uint64(&pk, shape[i]);
+    }
+    if (order) {
+        msgpack_pack_str_with_body(&pk, "order", 5);
+        msgpack_pack_str_with_body(&pk, order, strlen(order));
+    }
+    msgpack_pack_str_with_body(&pk, "data", 4);
+    char *data = calloc(1, datalen + 1);
+    msgpack_pack_bin_with_body(&pk, data, datalen);
+    free(data);
+    pb_storage_t *msg = pb_storage_new(sb.size, false);
+    memcpy(msg->ptr, sb.data, sb.size);
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    assert_int_equal(msgpack_unpack_next(&up, msg->ptr, msg->size, &off), MSGPACK_UNPACK_SUCCESS);
+    int rc = pb_tensor_decode(&up.data, msg, "inputs.x", t, err);
+    msgpack_unpacked_destroy(&up);
+    pb_storage_unref(msg);
+    msgpack_sbuffer_destroy(&sb);
+    return rc;
+}
+
+static void tensor_decode(void **state)
+{
+    (void)state;
+    pb_tensor_t t;
+    pb_err_t err;
+    uint64_t s23[] = {2, 3};
+    assert_int_equal(decode("f64", 2, s23, "F", 48, &t, &err), 0);
+    assert_int_equal(t.dtype, PB_F64);
+    assert_int_equal(t.order, 'F');
+    assert_int_equal(pb_tensor_bytes(&t), 48);
+    pb_tensor_clear(&t);
+    assert_int_equal(decode("c128", 2, s23, NULL, 96, &t, &err), 0);
+    pb_tensor_clear(&t);
+    assert_int_equal(decode("f16", 2, s23, NULL, 12, &t, &err), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err.message, "dtype"));
+    assert_int_equal(decode("f64", 2, s23, NULL, 47, &t, &err), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err.message, "48"));
+    assert_int_equal(decode("f64", 2, s23, "X", 48, &t, &err), PB_EINVALID_ARGUMENT);
+    uint64_t neg[] = {2, UINT64_MAX};
+    assert_int_equal(decode("f64", 2, neg, NULL, 0, &t, &err), PB_EINVALID_ARGUMENT);
+    uint64_t huge[] = {1ull << 40, 1ull << 40};
+    assert_int_equal(decode("f32", 2, huge, NULL, 0, &t, &err), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err.message, "overflow"));
+    uint64_t r17[17];
+    for (int i = 0; i < 17; i++)
+        r17[i] = 1;
+    assert_int_equal(decode("f32", 17, r17, NULL, 4, &t, &err), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err.message, "rank"));
+    assert_int_equal(decode("f32", 16, r17, NULL, 4, &t, &err), 0);
+    pb_tensor_clear(&t);
+    uint64_t zero[] = {0, 5};
+    assert_int_equal(decode("f32", 2, zero, NULL, 0, &t, &err), 0);
+    assert_int_equal(pb_tensor_count(&t), 0);
+    pb_tensor_clear(&t);
+    assert_int_equal(decode("f32", 0, NULL, NULL, 4, &t, &err), 0); /* a scalar */
+    assert_int_equal(pb_tensor_count(&t), 1);
+    pb_tensor_clear(&t);
+}
+
+static void utf8(void **state)
+{
+    (void)state;
+    assert_true(pb_utf8_valid("héllo", strlen("héllo")));
+    assert_false(pb_utf8_valid("\xc3", 1));
+    assert_false(pb_utf8_valid("\xc0\xaf", 2));      /* overlong */
+    assert_false(pb_utf8_valid("\xed\xa0\x80", 3));  /* surrogate */
+    assert_false(pb_utf8_valid("\xff", 1));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(whole_message), cmocka_unit_test(partial_reads), cmocka_unit_test(back_to_back),
+        cmocka_unit_test(map32_bomb),    cmocka_unit_test(oversize),      cmocka_unit_test(garbage),
+        cmocka_unit_test(depth),         cmocka_unit_test(every_type),    cmocka_unit_test(too_many_elements),
+        cmocka_unit_test(tensor_decode), cmocka_unit_test(utf8),
+    };
+    return cmocka_run_group_tests_name("unit.wire", tests, NULL, NULL);
+}
