@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "../kernels/tensor.h"
 #include "config.h"
 #include "log.h"
 #include "server.h"
@@ -14,6 +15,7 @@ int main(int argc, char **argv)
     if (rc)
         return rc > 0 ? 0 : 2;
     pb_log_level = cfg.log_level;
+    pb_alloc_init();
     signal(SIGPIPE, SIG_IGN);
     uv_loop_t *loop = uv_default_loop();
     pb_server_t srv;

@@ -10,7 +10,7 @@
 /* y = act(y + b) over an (out × batch) matrix in order `order`, saving z
  * into zbuf when it is not NULL.  Instantiated per activation so the
  * activation's switch folds away and the loop vectorises where it can. */
-static void FD_FN(bias_act)(int act, T *restrict y, T *restrict zbuf, const T *restrict b, size_t out,
+PB_KERNEL_CLONES static void FD_FN(bias_act)(int act, T *restrict y, T *restrict zbuf, const T *restrict b, size_t out,
                             size_t batch, char order)
 {
 #define FD_LOOP(A)                                                                    \
@@ -19,29 +19,29 @@ static void FD_FN(bias_act)(int act, T *restrict y, T *restrict zbuf, const T *r
             T bi = b ? b[i] : (T)0;                                                   \
             T *row = y + i * batch, *zr = zbuf ? zbuf + i * batch : NULL;             \
             if (zr)                                                                   \
-                for (size_t j = 0; j < batch; j++) {                                  \
+                PB_OMP_SIMD for (size_t j = 0; j < batch; j++) {                                  \
                     T z = row[j] + bi;                                                \
                     zr[j] = z;                                                        \
                     row[j] = FD_VALUE(A, z);                                          \
                 }                                                                     \
             else                                                                      \
-                for (size_t j = 0; j < batch; j++)                                    \
+                PB_OMP_SIMD for (size_t j = 0; j < batch; j++)                                    \
                     row[j] = FD_VALUE(A, row[j] + bi);                                \
         }                                                                             \
     } else {                                                                          \
         for (size_t j = 0; j < batch; j++) {                                          \
             T *col = y + j * out, *zc = zbuf ? zbuf + j * out : NULL;                 \
             if (zc)                                                                   \
-                for (size_t i = 0; i < out; i++) {                                    \
+                PB_OMP_SIMD for (size_t i = 0; i < out; i++) {                                    \
                     T z = col[i] + (b ? b[i] : (T)0);                                 \
                     zc[i] = z;                                                        \
                     col[i] = FD_VALUE(A, z);                                          \
                 }                                                                     \
             else if (b)                                                               \
-                for (size_t i = 0; i < out; i++)                                      \
+                PB_OMP_SIMD for (size_t i = 0; i < out; i++)                                      \
                     col[i] = FD_VALUE(A, col[i] + b[i]);                              \
             else                                                                      \
-                for (size_t i = 0; i < out; i++)                                      \
+                PB_OMP_SIMD for (size_t i = 0; i < out; i++)                                      \
                     col[i] = FD_VALUE(A, col[i]);                                     \
         }                                                                             \
     }
@@ -51,7 +51,7 @@ static void FD_FN(bias_act)(int act, T *restrict y, T *restrict zbuf, const T *r
 
 /* dz = ȳ ⊙ act′(s) in place over ȳ's copy, with b̄ += row sums of dz
  * (bsum may be NULL).  dz, s in the same order. */
-static void FD_FN(dz_pass)(int act, T *restrict dz, const T *restrict s, double *restrict bsum, size_t out,
+PB_KERNEL_CLONES static void FD_FN(dz_pass)(int act, T *restrict dz, const T *restrict s, double *restrict bsum, size_t out,
                            size_t batch, char order)
 {
 #define FD_LOOP(A)                                                                    \
@@ -60,7 +60,7 @@ static void FD_FN(dz_pass)(int act, T *restrict dz, const T *restrict s, double 
             T *r = dz + i * batch;                                                    \
             const T *sr = s ? s + i * batch : NULL;                                   \
             double acc = 0;                                                           \
-            for (size_t j = 0; j < batch; j++) {                                      \
+            PB_OMP_SIMD_SUM(acc) for (size_t j = 0; j < batch; j++) {                                      \
                 T v = sr ? r[j] * FD_DERIV(A, sr[j]) : r[j];                          \
                 r[j] = v;                                                             \
                 acc += v;                                                             \
@@ -72,7 +72,7 @@ static void FD_FN(dz_pass)(int act, T *restrict dz, const T *restrict s, double 
         for (size_t j = 0; j < batch; j++) {                                          \
             T *c = dz + j * out;                                                      \
             const T *sc = s ? s + j * out : NULL;                                     \
-            for (size_t i = 0; i < out; i++) {                                        \
+            PB_OMP_SIMD for (size_t i = 0; i < out; i++) {                                        \
                 T v = sc ? c[i] * FD_DERIV(A, sc[i]) : c[i];                          \
                 c[i] = v;                                                             \
                 if (bsum)                                                             \

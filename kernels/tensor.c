@@ -1,6 +1,7 @@
 #include "tensor.h"
 
 #include <complex.h>
+#include <malloc.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,16 @@ int pb_dtype_parse(const char *s, size_t len, pb_dtype_t *out)
         }
     }
     return PB_EINVALID_ARGUMENT;
+}
+
+void pb_alloc_init(void)
+{
+    /* glibc maps every block above 32 MiB (the dynamic threshold's cap)
+     * with mmap and unmaps it on free, so each large gradient costs a
+     * fresh zeroed page per 4 KiB.  Keeping blocks up to 1 GiB in the heap
+     * and trimming only above 1 GiB free lets the next request reuse them. */
+    mallopt(M_MMAP_THRESHOLD, 1 << 30);
+    mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
 static void heap_free(pb_storage_t *s)

@@ -80,6 +80,11 @@ int pb_dtype_parse(const char *s, size_t len, pb_dtype_t *out);
 pb_dtype_t pb_dtype_real(pb_dtype_t d);
 pb_dtype_t pb_dtype_complex(pb_dtype_t d);
 
+/* Tune the allocator for tensors: large blocks are reused from the heap
+ * instead of being mapped afresh (and page-faulted in) for every output.
+ * Called once at startup, before any thread is made. */
+void pb_alloc_init(void);
+
 /* A heap storage of size bytes, PB_ALIGN-aligned, uninitialised (zeroed
  * when zero is true).  NULL when out of memory. */
 pb_storage_t *pb_storage_new(size_t size, bool zero);
