@@ -1,6 +1,7 @@
 #include "config.h"
 
 #include <errno.h>
+#include <stdbool.h>
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -61,17 +62,21 @@ int pb_device_parse(const char *s, size_t len, pb_device_t *d)
     return PB_EINVALID_ARGUMENT;
 }
 
-static void default_socket(char *buf, size_t len)
+/* The contract's chain.  systemd joins several RuntimeDirectory= entries
+ * with ':'; the first is ours.  -1 when the path does not fit. */
+static int default_socket(char *buf, size_t len)
 {
     const char *e;
+    int n;
     if ((e = getenv("PULLBACKD_SOCKET")) && *e)
-        snprintf(buf, len, "%s", e);
+        n = snprintf(buf, len, "%s", e);
     else if ((e = getenv("RUNTIME_DIRECTORY")) && *e)
-        snprintf(buf, len, "%s/pullbackd.sock", e);
+        n = snprintf(buf, len, "%.*s/pullbackd.sock", (int)strcspn(e, ":"), e);
     else if ((e = getenv("XDG_RUNTIME_DIR")) && *e)
-        snprintf(buf, len, "%s/pullbackd.sock", e);
+        n = snprintf(buf, len, "%s/pullbackd.sock", e);
     else
-        snprintf(buf, len, "/tmp/pullbackd-%u.sock", (unsigned)getuid());
+        n = snprintf(buf, len, "/tmp/pullbackd-%u.sock", (unsigned)getuid());
+    return n < 0 || (size_t)n >= len ? -1 : 0;
 }
 
 static const char usage[] =
@@ -110,7 +115,7 @@ int pb_config_parse(pb_config_t *c, int argc, char **argv)
         .drain_timeout_s = 30,
         .log_level = PB_LOG_INFO,
     };
-    default_socket(c->socket_path, sizeof c->socket_path);
+    bool default_ok = default_socket(c->socket_path, sizeof c->socket_path) == 0;
     enum { O_SOCKET = 256, O_MODE, O_DEVICE, O_WORKERS, O_MSG, O_TAPE, O_TAPE_UID, O_TAPES_CONN, O_INFLIGHT,
            O_DRAIN, O_LOG, O_VERSION, O_HELP };
     static const struct option opts[] = {
@@ -130,6 +135,7 @@ int pb_config_parse(pb_config_t *c, int argc, char **argv)
         {0, 0, 0, 0},
     };
     optind = 1;
+    bool socket_given = false;
     int ch;
     while ((ch = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         size_t sz = 0;
@@ -141,6 +147,7 @@ int pb_config_parse(pb_config_t *c, int argc, char **argv)
                 return -1;
             }
             snprintf(c->socket_path, sizeof c->socket_path, "%s", optarg);
+            socket_given = true;
             break;
         case O_MODE: {
             long m = strtol(optarg, &end, 8);
@@ -202,6 +209,11 @@ int pb_config_parse(pb_config_t *c, int argc, char **argv)
             fputs(usage, stderr);
             return -1;
         }
+    }
+    if (!default_ok && !socket_given) {
+        fprintf(stderr, "pullbackd: the socket path from the environment is longer than %zu bytes; use --socket\n",
+                sizeof c->socket_path - 1);
+        return -1;
     }
     if (optind < argc) {
         fprintf(stderr, "pullbackd: unexpected argument '%s'\n", argv[optind]);

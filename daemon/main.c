@@ -15,6 +15,11 @@ int main(int argc, char **argv)
     if (rc)
         return rc > 0 ? 0 : 2;
     pb_log_level = cfg.log_level;
+    if (cfg.device.kind != PB_DEV_CPU) {
+        pb_log(PB_LOG_ERR, "--device cuda:%d: this daemon has no CUDA devices (built without the CUDA backend)",
+               cfg.device.index);
+        return 1;
+    }
     pb_alloc_init();
     signal(SIGPIPE, SIG_IGN);
     uv_loop_t *loop = uv_default_loop();

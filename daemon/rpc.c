@@ -114,7 +114,7 @@ static int check_keys(const msgpack_object *params, const char *const *allowed, 
         for (const char *const *a = allowed; *a && !ok; a++)
             ok = pb__obj_is_str(k, *a);
         if (!ok) {
-            char list[200] = "";
+            char list[200] = "none";
             size_t o = 0;
             for (const char *const *a = allowed; *a && o < sizeof list; a++)
                 o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", a == allowed ? "" : ", ", *a);

@@ -330,7 +330,7 @@ static int client_parse(pb_client_t *c, pb_reply_t *out)
     msgpack_unpacked up;
     int rc;
 
-    if (c->broken != 0)
+    if (c->broken < 0)
         return c->broken;
     msgpack_unpacked_init(&up);
     switch (msgpack_unpacker_next(&c->unp, &up)) {

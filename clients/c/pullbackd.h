@@ -196,7 +196,8 @@ PB_CLIENT_API int pb_obj_strcmp(const msgpack_object *o, const char *s);
  *
  * For pb_pack_tensor(): dtype, rank, shape, order and data/nbytes are the
  * caller's; data is sent as it is (no check that nbytes matches the shape,
- * so tests can send wrong lengths).
+ * so tests can send wrong lengths).  A rank outside 0..16 is clamped into
+ * it: a tensor of rank 17 has to be packed by hand.
  *
  * From pb_obj_tensor(): dtype points to a static string, and data points
  * into the reply's buffer, valid until pb_reply_free().  That data is NOT

@@ -1,0 +1,861 @@
+/* unit.client: the parts of the C client library that need no daemon.
+ *
+ * Object helpers and tensors are checked on msgpack built in memory; the
+ * socket path chain through setenv/unsetenv; framing, the reply queue and
+ * the request encoding over a socketpair whose other end plays the daemon
+ * with hand-made msgpack-RPC messages. */
+#define _GNU_SOURCE
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "pullbackd.h"
+
+/* ---- helpers ----------------------------------------------------------- */
+
+static void pk_str(msgpack_packer *pk, const char *s)
+{
+    msgpack_pack_str(pk, strlen(s));
+    msgpack_pack_str_body(pk, s, strlen(s));
+}
+
+static void write_all(int fd, const void *p, size_t n)
+{
+    const char *q = p;
+    while (n > 0) {
+        ssize_t w = write(fd, q, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        assert_true(w > 0);
+        q += w;
+        n -= (size_t)w;
+    }
+}
+
+/* Append [1, msgid, nil, {"n": n}] to sb. */
+static void pack_ok(msgpack_sbuffer *sb, uint32_t msgid, int64_t n)
+{
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_uint32(&pk, msgid);
+    msgpack_pack_nil(&pk);
+    msgpack_pack_map(&pk, 1);
+    pk_str(&pk, "n");
+    msgpack_pack_int64(&pk, n);
+}
+
+/* Append [1, msgid, {"code": code, "message": msg}, nil] to sb. */
+static void pack_err(msgpack_sbuffer *sb, uint32_t msgid, const char *code, const char *msg)
+{
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_uint32(&pk, msgid);
+    msgpack_pack_map(&pk, 2);
+    pk_str(&pk, "code");
+    pk_str(&pk, code);
+    pk_str(&pk, "message");
+    pk_str(&pk, msg);
+    msgpack_pack_nil(&pk);
+}
+
+static int64_t reply_n(const pb_reply_t *r)
+{
+    int64_t n = -1;
+    assert_null(r->error);
+    assert_non_null(r->result);
+    assert_int_equal(pb_obj_int(pb_obj_get(r->result, "n"), &n), 0);
+    return n;
+}
+
+/* A client on one end of a socketpair; *peer gets the other end. */
+static pb_client_t *pair_client(int *peer)
+{
+    int sv[2];
+    pb_client_t *c = NULL;
+    assert_int_equal(socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv), 0);
+    assert_int_equal(pb_client_from_fd(sv[0], &c), 0);
+    assert_int_equal(pb_client_fd(c), sv[0]);
+    *peer = sv[1];
+    return c;
+}
+
+/* Read one whole msgpack object the client sent from fd. */
+static void read_message(int fd, msgpack_unpacker *u, msgpack_unpacked *up)
+{
+    for (;;) {
+        if (msgpack_unpacker_next(u, up) == MSGPACK_UNPACK_SUCCESS)
+            return;
+        assert_true(msgpack_unpacker_reserve_buffer(u, 4096));
+        ssize_t r = read(fd, msgpack_unpacker_buffer(u), msgpack_unpacker_buffer_capacity(u));
+        assert_true(r > 0);
+        msgpack_unpacker_buffer_consumed(u, (size_t)r);
+    }
+}
+
+/* ---- object helpers ---------------------------------------------------- */
+
+static void test_obj_path(void **state)
+{
+    (void)state;
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+
+    /* {"outputs": {"y": 7, "z": -3}, "devices": [{"name": "cpu"}, {"name": "cuda:0"}],
+     *  "f": 2.5, "big": 2^64-1, "t": true} */
+    msgpack_pack_map(&pk, 5);
+    pk_str(&pk, "outputs");
+    msgpack_pack_map(&pk, 2);
+    pk_str(&pk, "y");
+    msgpack_pack_int(&pk, 7);
+    pk_str(&pk, "z");
+    msgpack_pack_int(&pk, -3);
+    pk_str(&pk, "devices");
+    msgpack_pack_array(&pk, 2);
+    msgpack_pack_map(&pk, 1);
+    pk_str(&pk, "name");
+    pk_str(&pk, "cpu");
+    msgpack_pack_map(&pk, 1);
+    pk_str(&pk, "name");
+    pk_str(&pk, "cuda:0");
+    pk_str(&pk, "f");
+    msgpack_pack_double(&pk, 2.5);
+    pk_str(&pk, "big");
+    msgpack_pack_uint64(&pk, UINT64_MAX);
+    pk_str(&pk, "t");
+    msgpack_pack_true(&pk);
+
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    assert_int_equal(msgpack_unpack_next(&up, sb.data, sb.size, NULL), MSGPACK_UNPACK_SUCCESS);
+    const msgpack_object *root = &up.data;
+    int64_t i;
+    uint64_t u;
+    double d;
+    bool b;
+
+    assert_ptr_equal(pb_obj_path(root, ""), root);
+    assert_int_equal(pb_obj_int(pb_obj_path(root, "outputs.y"), &i), 0);
+    assert_int_equal(i, 7);
+    assert_int_equal(pb_obj_int(pb_obj_path(root, "outputs.z"), &i), 0);
+    assert_int_equal(i, -3);
+    assert_int_equal(pb_obj_uint(pb_obj_path(root, "outputs.z"), &u), -ERANGE);
+    assert_ptr_equal(pb_obj_path(root, "outputs"), pb_obj_get(root, "outputs"));
+    assert_int_equal(pb_obj_strcmp(pb_obj_path(root, "devices.1.name"), "cuda:0"), 0);
+    assert_int_equal(pb_obj_strcmp(pb_obj_path(root, "devices.0.name"), "cpu"), 0);
+    assert_true(pb_obj_strcmp(pb_obj_path(root, "devices.0.name"), "cp") > 0);
+    assert_true(pb_obj_strcmp(pb_obj_path(root, "devices.0.name"), "cpux") < 0);
+    assert_int_not_equal(pb_obj_strcmp(pb_obj_path(root, "outputs.y"), "7"), 0);
+    assert_null(pb_obj_path(root, "devices.2.name"));
+    assert_null(pb_obj_path(root, "devices.x"));
+    assert_null(pb_obj_path(root, "outputs.y.z"));
+    assert_null(pb_obj_path(root, "outputs.w"));
+    assert_null(pb_obj_path(root, "output"));
+    assert_null(pb_obj_path(root, "outputs."));
+    assert_null(pb_obj_path(NULL, "outputs"));
+    assert_null(pb_obj_get(pb_obj_path(root, "devices"), "name"));
+
+    assert_int_equal(pb_obj_double(pb_obj_get(root, "f"), &d), 0);
+    assert_true(d == 2.5);
+    assert_int_equal(pb_obj_double(pb_obj_path(root, "outputs.z"), &d), 0);
+    assert_true(d == -3.0);
+    assert_int_equal(pb_obj_double(pb_obj_get(root, "t"), &d), -EINVAL);
+    assert_int_equal(pb_obj_int(pb_obj_get(root, "big"), &i), -ERANGE);
+    assert_int_equal(pb_obj_uint(pb_obj_get(root, "big"), &u), 0);
+    assert_true(u == UINT64_MAX);
+    assert_int_equal(pb_obj_int(pb_obj_get(root, "f"), &i), -EINVAL);
+    assert_int_equal(pb_obj_bool(pb_obj_get(root, "t"), &b), 0);
+    assert_true(b);
+    assert_int_equal(pb_obj_int(NULL, &i), -EINVAL);
+
+    msgpack_unpacked_destroy(&up);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+/* ---- tensors ----------------------------------------------------------- */
+
+/* Pack t after `pad` bytes of a str (to move the bin off alignment) and read
+ * it back. */
+static int tensor_roundtrip(const pb_ctensor_t *t, size_t pad, msgpack_unpacked *up, pb_ctensor_t *out)
+{
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    char padding[16] = { 0 };
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 2);
+    msgpack_pack_str(&pk, pad);
+    msgpack_pack_str_body(&pk, padding, pad);
+    pb_pack_tensor(&pk, t);
+    /* msgpack_unpack_next references the buffer: keep a copy alive in the
+     * zone's lifetime by handing over the sbuffer's bytes. */
+    msgpack_unpacked_init(up);
+    size_t off = 0;
+    assert_int_equal(msgpack_unpack_next(up, sb.data, sb.size, &off), MSGPACK_UNPACK_SUCCESS);
+    assert_int_equal(off, sb.size);
+    msgpack_zone_push_finalizer(up->zone, free, msgpack_sbuffer_release(&sb));
+    return pb_obj_tensor(&up->data.via.array.ptr[1], out);
+}
+
+static void test_tensor_roundtrip(void **state)
+{
+    (void)state;
+    msgpack_unpacked up;
+    pb_ctensor_t t = { 0 }, g;
+
+    /* f32 2x3, C order, data at an odd offset in the message. */
+    const float v32[6] = { 1.5f, -2.0f, 3.25f, 0.0f, -0.0f, 1e-30f };
+    t.dtype = "f32";
+    t.rank = 2;
+    t.shape[0] = 2;
+    t.shape[1] = 3;
+    t.order = 'C';
+    t.data = v32;
+    t.nbytes = sizeof v32;
+    for (size_t pad = 0; pad < 4; pad++) {
+        assert_int_equal(tensor_roundtrip(&t, pad, &up, &g), 0);
+        assert_string_equal(g.dtype, "f32");
+        assert_int_equal(g.rank, 2);
+        assert_int_equal(g.shape[0], 2);
+        assert_int_equal(g.shape[1], 3);
+        assert_int_equal(g.order, 'C');
+        assert_false(g.shm);
+        assert_int_equal(g.nbytes, sizeof v32);
+        assert_int_equal(pb_ctensor_count(&g), 6);
+        assert_memory_equal(g.data, v32, sizeof v32);
+        float f[6];
+        double d[6];
+        assert_int_equal(pb_ctensor_copy_f32(&g, f, 6), 0);
+        assert_memory_equal(f, v32, sizeof v32);
+        assert_int_equal(pb_ctensor_copy_f64(&g, d, 6), 0);
+        for (int k = 0; k < 6; k++)
+            assert_true(d[k] == (double)v32[k]);
+        assert_int_equal(pb_ctensor_copy_f64(&g, d, 5), -ENOBUFS);
+        msgpack_unpacked_destroy(&up);
+    }
+
+    /* f64 in F order. */
+    const double v64[6] = { 1.0, 2.0, 3.0, 4.0, 5.0, 6.0 };
+    t.dtype = "f64";
+    t.order = 'F';
+    t.shape[0] = 3;
+    t.shape[1] = 2;
+    t.data = v64;
+    t.nbytes = sizeof v64;
+    assert_int_equal(tensor_roundtrip(&t, 1, &up, &g), 0);
+    assert_string_equal(g.dtype, "f64");
+    assert_int_equal(g.order, 'F');
+    assert_int_equal(g.shape[0], 3);
+    double d6[6];
+    float f6[6];
+    assert_int_equal(pb_ctensor_copy_f64(&g, d6, 6), 0);
+    assert_memory_equal(d6, v64, sizeof v64);
+    assert_int_equal(pb_ctensor_copy_f32(&g, f6, 6), 0);
+    assert_true(f6[5] == 6.0f);
+    msgpack_unpacked_destroy(&up);
+
+    /* c64 vector: two complex values take four slots. */
+    const float vc[4] = { 1.0f, -1.0f, 0.5f, 2.0f };
+    t.dtype = "c64";
+    t.rank = 1;
+    t.shape[0] = 2;
+    t.order = 0; /* key left out: reads back as C */
+    t.data = vc;
+    t.nbytes = sizeof vc;
+    assert_int_equal(tensor_roundtrip(&t, 0, &up, &g), 0);
+    assert_string_equal(g.dtype, "c64");
+    assert_int_equal(g.order, 'C');
+    assert_int_equal(pb_ctensor_copy_f64(&g, d6, 3), -ENOBUFS);
+    assert_int_equal(pb_ctensor_copy_f64(&g, d6, 4), 0);
+    assert_true(d6[1] == -1.0 && d6[3] == 2.0);
+    msgpack_unpacked_destroy(&up);
+
+    /* Scalar (rank 0) and a zero-size tensor. */
+    const double one = 1.0;
+    t.dtype = "f64";
+    t.rank = 0;
+    t.data = &one;
+    t.nbytes = sizeof one;
+    assert_int_equal(tensor_roundtrip(&t, 0, &up, &g), 0);
+    assert_int_equal(g.rank, 0);
+    assert_int_equal(pb_ctensor_count(&g), 1);
+    msgpack_unpacked_destroy(&up);
+    t.rank = 2;
+    t.shape[0] = 0;
+    t.shape[1] = 5;
+    t.data = NULL;
+    t.nbytes = 0;
+    assert_int_equal(tensor_roundtrip(&t, 0, &up, &g), 0);
+    assert_int_equal(pb_ctensor_count(&g), 0);
+    assert_int_equal(g.nbytes, 0);
+    assert_int_equal(pb_ctensor_copy_f64(&g, NULL, 0), 0);
+    msgpack_unpacked_destroy(&up);
+
+    /* A shared-memory tensor. */
+    t.dtype = "c128";
+    t.rank = 1;
+    t.shape[0] = 4;
+    t.shm = true;
+    t.buffer = 3;
+    t.offset = 128;
+    assert_int_equal(tensor_roundtrip(&t, 0, &up, &g), 0);
+    assert_true(g.shm);
+    assert_int_equal(g.buffer, 3);
+    assert_int_equal(g.offset, 128);
+    assert_int_equal(g.nbytes, 64);
+    assert_null(g.data);
+    assert_int_equal(pb_ctensor_copy_f64(&g, d6, 6), -EINVAL);
+    msgpack_unpacked_destroy(&up);
+
+    /* What pb_obj_tensor refuses. */
+    memset(&t, 0, sizeof t);
+    t.dtype = "f32";
+    t.rank = 1;
+    t.shape[0] = 3;
+    t.data = v32;
+    t.nbytes = 8; /* two values for a shape of three */
+    assert_int_equal(tensor_roundtrip(&t, 0, &up, &g), -EINVAL);
+    msgpack_unpacked_destroy(&up);
+    t.nbytes = 12;
+    t.dtype = "f16";
+    assert_int_equal(tensor_roundtrip(&t, 0, &up, &g), -EINVAL);
+    msgpack_unpacked_destroy(&up);
+    t.dtype = "f32";
+    t.order = 'X'; /* not packed: 'C'/'F' only, so this one passes */
+    assert_int_equal(tensor_roundtrip(&t, 0, &up, &g), 0);
+    msgpack_unpacked_destroy(&up);
+
+    /* Hand-made maps for what pb_pack_tensor cannot produce. */
+    static const struct {
+        const char *what;
+        int order_bad, neg_dim, rank17, no_data;
+    } bad[] = {
+        { "order", 1, 0, 0, 0 },
+        { "negative dim", 0, 1, 0, 0 },
+        { "rank 17", 0, 0, 1, 0 },
+        { "no data", 0, 0, 0, 1 },
+    };
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_map(&pk, bad[k].no_data ? 2 : 4);
+        pk_str(&pk, "dtype");
+        pk_str(&pk, "f32");
+        pk_str(&pk, "shape");
+        int rank = bad[k].rank17 ? 17 : 1;
+        msgpack_pack_array(&pk, (size_t)rank);
+        for (int j = 0; j < rank; j++)
+            msgpack_pack_int(&pk, bad[k].neg_dim ? -1 : 1);
+        if (!bad[k].no_data) {
+            pk_str(&pk, "order");
+            pk_str(&pk, bad[k].order_bad ? "K" : "C");
+            pk_str(&pk, "data");
+            msgpack_pack_bin(&pk, 4);
+            msgpack_pack_bin_body(&pk, v32, 4);
+        }
+        msgpack_unpacked_init(&up);
+        assert_int_equal(msgpack_unpack_next(&up, sb.data, sb.size, NULL), MSGPACK_UNPACK_SUCCESS);
+        if (pb_obj_tensor(&up.data, &g) != -EINVAL)
+            fail_msg("tensor with bad %s accepted", bad[k].what);
+        msgpack_unpacked_destroy(&up);
+        msgpack_sbuffer_destroy(&sb);
+    }
+    assert_int_equal(pb_ctensor_itemsize("c128"), 16);
+    assert_int_equal(pb_ctensor_itemsize("f16"), 0);
+}
+
+/* ---- socket path chain ------------------------------------------------- */
+
+static void test_socket_path(void **state)
+{
+    (void)state;
+    char buf[256], small[8];
+    char want[64];
+
+    unsetenv("PULLBACKD_SOCKET");
+    unsetenv("RUNTIME_DIRECTORY");
+    unsetenv("XDG_RUNTIME_DIR");
+    snprintf(want, sizeof want, "/tmp/pullbackd-%lu.sock", (unsigned long)getuid());
+    assert_int_equal(pb_client_socket_path(buf, sizeof buf), 0);
+    assert_string_equal(buf, want);
+
+    setenv("XDG_RUNTIME_DIR", "/run/user/1000", 1);
+    assert_int_equal(pb_client_socket_path(buf, sizeof buf), 0);
+    assert_string_equal(buf, "/run/user/1000/pullbackd.sock");
+
+    setenv("RUNTIME_DIRECTORY", "/run/pullbackd", 1);
+    assert_int_equal(pb_client_socket_path(buf, sizeof buf), 0);
+    assert_string_equal(buf, "/run/pullbackd/pullbackd.sock");
+    setenv("RUNTIME_DIRECTORY", "/run/a:/run/b", 1);
+    assert_int_equal(pb_client_socket_path(buf, sizeof buf), 0);
+    assert_string_equal(buf, "/run/a/pullbackd.sock");
+
+    setenv("PULLBACKD_SOCKET", "/srv/pb.sock", 1);
+    assert_int_equal(pb_client_socket_path(buf, sizeof buf), 0);
+    assert_string_equal(buf, "/srv/pb.sock");
+
+    /* Too small: an error, and the buffer is left alone. */
+    memset(small, 'z', sizeof small);
+    assert_int_equal(pb_client_socket_path(small, sizeof small), -ENAMETOOLONG);
+    assert_int_equal(small[0], 'z');
+    assert_int_equal(pb_client_socket_path(buf, 12), -ENAMETOOLONG);
+    assert_int_equal(pb_client_socket_path(buf, 13), 0);
+    assert_int_equal(pb_client_socket_path(NULL, 13), -EINVAL);
+
+    /* An empty variable counts as unset. */
+    setenv("PULLBACKD_SOCKET", "", 1);
+    assert_int_equal(pb_client_socket_path(buf, sizeof buf), 0);
+    assert_string_equal(buf, "/run/a/pullbackd.sock");
+    unsetenv("PULLBACKD_SOCKET");
+    unsetenv("RUNTIME_DIRECTORY");
+    assert_int_equal(pb_client_socket_path(buf, sizeof buf), 0);
+    assert_string_equal(buf, "/run/user/1000/pullbackd.sock");
+    unsetenv("XDG_RUNTIME_DIR");
+
+    /* Connecting where nothing listens. */
+    pb_client_t *c = NULL;
+    assert_int_equal(pb_client_connect("/nonexistent/dir/pb.sock", &c), -ENOENT);
+    assert_null(c);
+    memset(buf, 'a', sizeof buf - 1);
+    buf[sizeof buf - 1] = '\0';
+    assert_int_equal(pb_client_connect(buf, &c), -ENAMETOOLONG);
+}
+
+/* ---- receiving --------------------------------------------------------- */
+
+static void test_recv_partial(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    pb_reply_t r;
+    msgpack_sbuffer sb;
+
+    msgpack_sbuffer_init(&sb);
+    pack_ok(&sb, 5, 42);
+    /* Every prefix is incomplete: nothing comes back until the last byte. */
+    for (size_t i = 0; i + 1 < sb.size; i++) {
+        write_all(peer, sb.data + i, 1);
+        assert_int_equal(pb_client_recv_timeout(c, &r, 0), -ETIMEDOUT);
+        assert_false(pb_client_pending(c));
+    }
+    write_all(peer, sb.data + sb.size - 1, 1);
+    assert_int_equal(pb_client_recv_timeout(c, &r, 1000), 0);
+    assert_int_equal(r.msgid, 5);
+    assert_int_equal(reply_n(&r), 42);
+    assert_null(pb_reply_code(&r));
+    assert_null(pb_reply_message(&r));
+    pb_reply_free(&r);
+
+    /* A big reply split in two writes. */
+    sb.size = 0;
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    size_t big = 300000;
+    char *payload = malloc(big);
+    assert_non_null(payload);
+    for (size_t i = 0; i < big; i++)
+        payload[i] = (char)(i * 7);
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_uint32(&pk, 6);
+    msgpack_pack_nil(&pk);
+    msgpack_pack_bin(&pk, big);
+    msgpack_pack_bin_body(&pk, payload, big);
+    pack_ok(&sb, 7, 1);
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        write_all(peer, sb.data, sb.size / 3);
+        usleep(20000);
+        write_all(peer, sb.data + sb.size / 3, sb.size - sb.size / 3);
+        _exit(0);
+    }
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_int_equal(r.msgid, 6);
+    assert_int_equal(r.result->type, MSGPACK_OBJECT_BIN);
+    assert_int_equal(r.result->via.bin.size, big);
+    /* Reading on must not disturb the bytes of a reply already out. */
+    pb_reply_t r2;
+    assert_int_equal(pb_client_recv(c, &r2), 0);
+    assert_int_equal(r2.msgid, 7);
+    assert_memory_equal(r.result->via.bin.ptr, payload, big);
+    pb_reply_free(&r);
+    pb_reply_free(&r2);
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+
+    free(payload);
+    msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
+static void test_recv_two_in_one_read(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    pb_reply_t r;
+    msgpack_sbuffer sb;
+
+    msgpack_sbuffer_init(&sb);
+    pack_ok(&sb, 1, 10);
+    pack_err(&sb, 2, "invalid_argument", "inputs.x: bad shape");
+    write_all(peer, sb.data, sb.size);
+
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_int_equal(r.msgid, 1);
+    assert_int_equal(reply_n(&r), 10);
+    pb_reply_free(&r);
+    /* The second one is already read: no waiting needed. */
+    assert_true(pb_client_pending(c));
+    assert_int_equal(pb_client_recv_timeout(c, &r, 0), 0);
+    assert_int_equal(r.msgid, 2);
+    assert_null(r.result);
+    assert_non_null(r.error);
+    assert_string_equal(pb_reply_code(&r), "invalid_argument");
+    assert_string_equal(pb_reply_message(&r), "inputs.x: bad shape");
+    pb_reply_free(&r);
+    pb_reply_free(&r); /* a cleared reply may be freed again */
+
+    /* End of stream. */
+    close(peer);
+    assert_int_equal(pb_client_recv(c, &r), -EPIPE);
+    assert_int_equal(pb_client_recv(c, &r), -EPIPE);
+    msgpack_sbuffer_destroy(&sb);
+    pb_client_close(c);
+}
+
+static void test_unexpected_msgid_queued(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    pb_reply_t r;
+    msgpack_sbuffer sb;
+
+    /* The first request of a fresh client has msgid 1; replies to 99 and 98
+     * arrive before its own. */
+    msgpack_sbuffer_init(&sb);
+    pack_ok(&sb, 99, 990);
+    pack_ok(&sb, 98, 980);
+    pack_ok(&sb, 1, 10);
+    write_all(peer, sb.data, sb.size);
+
+    msgpack_packer *pk = pb_client_begin(c, "hello");
+    assert_non_null(pk);
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_call(c, &r), 0);
+    assert_int_equal(r.msgid, 1);
+    assert_int_equal(reply_n(&r), 10);
+    pb_reply_free(&r);
+
+    /* The queued ones come back in arrival order. */
+    assert_true(pb_client_pending(c));
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_int_equal(r.msgid, 99);
+    assert_int_equal(reply_n(&r), 990);
+    pb_reply_free(&r);
+
+    /* pb_client_wait takes one from the middle of the queue. */
+    sb.size = 0;
+    pack_ok(&sb, 3, 30);
+    pack_ok(&sb, 2, 20);
+    write_all(peer, sb.data, sb.size);
+    assert_int_equal(pb_client_wait(c, 2, &r), 0);
+    assert_int_equal(reply_n(&r), 20);
+    pb_reply_free(&r);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_int_equal(r.msgid, 98);
+    pb_reply_free(&r);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_int_equal(r.msgid, 3);
+    pb_reply_free(&r);
+    assert_false(pb_client_pending(c));
+
+    /* Queued replies left at close are freed by it (valgrind checks). */
+    sb.size = 0;
+    pack_ok(&sb, 50, 1);
+    pack_ok(&sb, 4, 40);
+    write_all(peer, sb.data, sb.size);
+    assert_int_equal(pb_client_wait(c, 4, &r), 0);
+    pb_reply_free(&r);
+
+    msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
+static void test_recv_malformed(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    pb_reply_t r;
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    /* Both error and result nil. */
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_nil(&pk);
+    msgpack_pack_nil(&pk);
+    /* A request, not a response. */
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 0);
+    msgpack_pack_int(&pk, 1);
+    pk_str(&pk, "hello");
+    msgpack_pack_array(&pk, 0);
+    /* A msgid beyond uint32. */
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_uint64(&pk, 1ull << 32);
+    msgpack_pack_nil(&pk);
+    msgpack_pack_int(&pk, 0);
+    /* Not an array. */
+    msgpack_pack_int(&pk, 17);
+    /* Then a good one: framing stayed in step. */
+    pack_ok(&sb, 8, 80);
+    write_all(peer, sb.data, sb.size);
+    for (int i = 0; i < 4; i++)
+        assert_int_equal(pb_client_recv(c, &r), -EPROTO);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_int_equal(reply_n(&r), 80);
+    pb_reply_free(&r);
+
+    /* 0xc1 is no msgpack: the stream is lost for good. */
+    static const unsigned char junk[] = { 0xc1, 0x94, 0x01 };
+    write_all(peer, junk, sizeof junk);
+    sb.size = 0;
+    pack_ok(&sb, 9, 90);
+    write_all(peer, sb.data, sb.size);
+    assert_int_equal(pb_client_recv(c, &r), -EPROTO);
+    assert_int_equal(pb_client_recv(c, &r), -EPROTO);
+
+    msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
+/* ---- sending ----------------------------------------------------------- */
+
+static void test_send_encoding(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    msgpack_unpacker u;
+    msgpack_unpacked up;
+    uint32_t id = 0, id2 = 0;
+    uint64_t v;
+
+    assert_true(msgpack_unpacker_init(&u, 4096));
+    msgpack_unpacked_init(&up);
+
+    msgpack_packer *pk = pb_client_begin(c, "release");
+    msgpack_pack_map(pk, 1);
+    msgpack_pack_str(pk, 4);
+    msgpack_pack_str_body(pk, "tape", 4);
+    msgpack_pack_uint64(pk, 12345678901ull);
+    assert_int_equal(pb_client_send(c, &id), 0);
+    assert_int_equal(id, 1);
+    read_message(peer, &u, &up);
+    const msgpack_object *o = &up.data;
+    assert_int_equal(o->type, MSGPACK_OBJECT_ARRAY);
+    assert_int_equal(o->via.array.size, 4);
+    assert_int_equal(pb_obj_uint(&o->via.array.ptr[0], &v), 0);
+    assert_int_equal(v, 0);
+    assert_int_equal(pb_obj_uint(&o->via.array.ptr[1], &v), 0);
+    assert_int_equal(v, 1);
+    assert_int_equal(pb_obj_strcmp(&o->via.array.ptr[2], "release"), 0);
+    assert_int_equal(o->via.array.ptr[3].type, MSGPACK_OBJECT_ARRAY);
+    assert_int_equal(o->via.array.ptr[3].via.array.size, 1);
+    assert_int_equal(pb_obj_uint(pb_obj_path(o, "3.0.tape"), &v), 0);
+    assert_true(v == 12345678901ull);
+
+    /* Notification: [2, method, [params]]. */
+    pk = pb_client_begin_notify(c, "release");
+    msgpack_pack_map(pk, 1);
+    pb_pack_kv_str(pk, "tape", "x");
+    assert_int_equal(pb_client_send_notify(c), 0);
+    read_message(peer, &u, &up);
+    o = &up.data;
+    assert_int_equal(o->via.array.size, 3);
+    assert_int_equal(pb_obj_uint(&o->via.array.ptr[0], &v), 0);
+    assert_int_equal(v, 2);
+    assert_int_equal(pb_obj_strcmp(pb_obj_path(o, "2.0.tape"), "x"), 0);
+
+    /* Misuse is refused and nothing is written. */
+    assert_int_equal(pb_client_send(c, &id), -EINVAL);          /* nothing begun */
+    pb_client_begin(c, "hello");
+    assert_int_equal(pb_client_send(c, &id), -EINVAL);          /* no params */
+    pk = pb_client_begin(c, "hello");
+    msgpack_pack_int(pk, 1);
+    assert_int_equal(pb_client_send(c, &id), -EINVAL);          /* not a map */
+    pk = pb_client_begin(c, "hello");
+    msgpack_pack_map(pk, 0);
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_send(c, &id), -EINVAL);          /* two objects */
+    pk = pb_client_begin(c, "hello");
+    msgpack_pack_map(pk, 1);
+    assert_int_equal(pb_client_send(c, &id), -EINVAL);          /* incomplete map */
+    pk = pb_client_begin(c, "hello");
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_send_notify(c), -EINVAL);        /* wrong kind */
+    assert_null(pb_client_begin(NULL, "hello"));
+    assert_null(pb_client_begin(c, NULL));
+
+    /* Msgids go up; raw bytes go out as they are. */
+    pk = pb_client_begin(c, "hello");
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_send(c, &id2), 0);
+    assert_true(id2 > id);
+    read_message(peer, &u, &up);
+    assert_int_equal(pb_obj_uint(&up.data.via.array.ptr[1], &v), 0);
+    assert_int_equal(v, id2);
+    assert_int_equal(pb_client_send_raw(c, "\x93\x02\xa1m\x90", 5), 0);
+    read_message(peer, &u, &up);
+    assert_int_equal(up.data.via.array.size, 3);
+    assert_int_equal(pb_obj_strcmp(&up.data.via.array.ptr[1], "m"), 0);
+
+    /* SCM_RIGHTS rides along with register_buffer. */
+    int pfd[2];
+    assert_int_equal(pipe(pfd), 0);
+    pk = pb_client_begin(c, "register_buffer");
+    msgpack_pack_map(pk, 1);
+    pb_pack_str(pk, "size");
+    msgpack_pack_uint32(pk, 4096);
+    assert_int_equal(pb_client_send_with_fd(c, pfd[1], &id), 0);
+    char buf[256];
+    union {
+        struct cmsghdr h;
+        char b[CMSG_SPACE(sizeof(int))];
+    } ctl;
+    struct iovec iov = { .iov_base = buf, .iov_len = sizeof buf };
+    struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.b,
+                          .msg_controllen = sizeof ctl.b };
+    ssize_t n = recvmsg(peer, &msg, 0);
+    assert_true(n > 0);
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+    assert_non_null(cm);
+    assert_int_equal(cm->cmsg_type, SCM_RIGHTS);
+    int got;
+    memcpy(&got, CMSG_DATA(cm), sizeof got);
+    write_all(got, "k", 1);
+    char k = 0;
+    assert_int_equal(read(pfd[0], &k, 1), 1);
+    assert_int_equal(k, 'k');
+    close(got);
+    close(pfd[0]);
+    close(pfd[1]);
+
+    /* Writing to a closed peer is -EPIPE, without SIGPIPE. */
+    close(peer);
+    pk = pb_client_begin(c, "hello");
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_send(c, &id), -EPIPE);
+
+    msgpack_unpacked_destroy(&up);
+    msgpack_unpacker_destroy(&u);
+    pb_client_close(c);
+}
+
+/* A client that pipelines a big request while the daemon is busy writing
+ * big replies must not deadlock: the peer writes all its replies before it
+ * reads a byte. */
+static void test_pipeline_no_deadlock(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    enum { NREPLY = 64, REPLY_BYTES = 64 * 1024, REQ_BYTES = 8 * 1024 * 1024 };
+
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        pb_client_close(c);
+        alarm(30);
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        char *blob = calloc(1, REPLY_BYTES);
+        for (uint32_t i = 0; i < NREPLY; i++) {
+            msgpack_pack_array(&pk, 4);
+            msgpack_pack_int(&pk, 1);
+            msgpack_pack_uint32(&pk, 1000 + i);
+            msgpack_pack_nil(&pk);
+            msgpack_pack_bin(&pk, REPLY_BYTES);
+            msgpack_pack_bin_body(&pk, blob, REPLY_BYTES);
+        }
+        write_all(peer, sb.data, sb.size);
+        size_t total = 0;
+        char buf[65536];
+        ssize_t r;
+        while ((r = read(peer, buf, sizeof buf)) > 0)
+            total += (size_t)r;
+        _exit(total > REQ_BYTES ? 0 : 1);
+    }
+
+    alarm(30);
+    char *big = calloc(1, REQ_BYTES);
+    assert_non_null(big);
+    pb_ctensor_t t = { .dtype = "f64", .rank = 1, .shape = { REQ_BYTES / 8 },
+                       .data = big, .nbytes = REQ_BYTES };
+    msgpack_packer *pk = pb_client_begin(c, "forward");
+    msgpack_pack_map(pk, 1);
+    pb_pack_str(pk, "x");
+    pb_pack_tensor(pk, &t);
+    assert_int_equal(pb_client_send(c, NULL), 0);
+    free(big);
+    close(peer);
+    for (uint32_t i = 0; i < NREPLY; i++) {
+        pb_reply_t r;
+        assert_int_equal(pb_client_recv(c, &r), 0);
+        assert_int_equal(r.msgid, 1000 + i);
+        assert_int_equal(r.result->via.bin.size, REPLY_BYTES);
+        pb_reply_free(&r);
+    }
+    pb_client_close(c);
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    alarm(0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_obj_path),
+        cmocka_unit_test(test_tensor_roundtrip),
+        cmocka_unit_test(test_socket_path),
+        cmocka_unit_test(test_recv_partial),
+        cmocka_unit_test(test_recv_two_in_one_read),
+        cmocka_unit_test(test_unexpected_msgid_queued),
+        cmocka_unit_test(test_recv_malformed),
+        cmocka_unit_test(test_send_encoding),
+        cmocka_unit_test(test_pipeline_no_deadlock),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
