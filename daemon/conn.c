@@ -79,9 +79,15 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
             c->start = 0;
         }
         if (c->cap - c->len < READ_CHUNK) {
+            /* The scan refuses a message past the limit before more is
+             * read, so the buffer never needs more than one message plus
+             * a read. */
+            size_t most = c->srv->cfg.max_message_bytes + 2 * READ_CHUNK;
             size_t ncap = c->cap ? c->cap * 2 : READ_CHUNK * 2;
             while (ncap - c->len < READ_CHUNK)
                 ncap *= 2;
+            if (ncap > most && most - c->len >= READ_CHUNK)
+                ncap = most;
             char *nb = realloc(c->buf, ncap);
             if (nb == NULL) {
                 b->base = NULL;
@@ -92,8 +98,6 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
             c->cap = ncap;
         }
     }
-    /* Never read more than the message limit allows past what is held, so
-     * a flood cannot grow the buffer beyond about one message. */
     size_t room = c->cap - c->len;
     b->base = c->buf + c->len;
     b->len = room;
