@@ -1,0 +1,933 @@
+/* e2e.daemon: pullbackd from outside, through the C client library,
+ * against a daemon this program starts on a temporary socket.
+ *
+ * Run as `e2e_daemon PATH_TO_PULLBACKD`.  Numbers are checked against a
+ * naive reference written here: f64 to 1e-12 relative, f32 to 2e-5. */
+#include <errno.h>
+#include <math.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "pullbackd.h"
+
+static const char *daemon_bin;
+static char dir[48];
+
+typedef struct {
+    pid_t pid;
+    char path[100];
+} daemon_t;
+
+static daemon_t main_daemon;
+
+static int try_connect(const char *path)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
+    int rc = connect(fd, (struct sockaddr *)&a, sizeof a);
+    close(fd);
+    return rc;
+}
+
+/* Start a daemon on dir/name with extra flags (NULL-terminated). */
+static int start(daemon_t *d, const char *name, ...)
+{
+    snprintf(d->path, sizeof d->path, "%s/%s", dir, name);
+    const char *argv[32] = {daemon_bin, "--socket", d->path, "--log-level", "warning"};
+    int n = 5;
+    va_list ap;
+    va_start(ap, name);
+    const char *a;
+    while ((a = va_arg(ap, const char *)) && n < 30)
+        argv[n++] = a;
+    va_end(ap);
+    d->pid = fork();
+    if (d->pid == 0) {
+        execv(daemon_bin, (char *const *)argv);
+        _exit(127);
+    }
+    for (int i = 0; i < 500; i++) {
+        if (try_connect(d->path) == 0)
+            return 0;
+        int st;
+        if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
+            d->pid = 0;
+            return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+        }
+        usleep(10000);
+    }
+    return -1;
+}
+
+static int stop(daemon_t *d)
+{
+    int st = 0;
+    kill(d->pid, SIGTERM);
+    waitpid(d->pid, &st, 0);
+    d->pid = 0;
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+static pb_client_t *conn(const daemon_t *d)
+{
+    pb_client_t *c = NULL;
+    assert_int_equal(pb_client_connect(d->path, &c), 0);
+    return c;
+}
+
+/* ---- request builders ---------------------------------------------------- */
+
+typedef struct {
+    const char *dtype;
+    size_t out, in, batch; /* batch 0: vector x */
+    double W[64], X[64], B[8];
+    const char *act;
+    bool bias;
+    char xorder;
+} fd_t;
+
+static void pack_matrix(msgpack_packer *pk, const char *dtype, const double *m, size_t r, size_t c, char order)
+{
+    size_t n = r * (c ? c : 1), isz = strcmp(dtype, "f32") == 0 ? 4 : 8;
+    unsigned char buf[64 * 8];
+    for (size_t i = 0; i < r; i++)
+        for (size_t j = 0; j < (c ? c : 1); j++) {
+            size_t at = (!c || order != 'F') ? i * (c ? c : 1) + j : j * r + i;
+            double v = m[i * (c ? c : 1) + j];
+            if (isz == 4) {
+                float f = (float)v;
+                memcpy(buf + at * 4, &f, 4);
+            } else {
+                memcpy(buf + at * 8, &v, 8);
+            }
+        }
+    pb_ctensor_t t = {.dtype = dtype, .rank = c ? 2 : 1, .shape = {r, c}, .order = order, .data = buf,
+                      .nbytes = n * isz};
+    pb_pack_tensor(pk, &t);
+}
+
+static void pack_inputs(msgpack_packer *pk, const fd_t *f)
+{
+    pb_pack_str(pk, "inputs");
+    msgpack_pack_map(pk, f->bias ? 3 : 2);
+    pb_pack_str(pk, "weight");
+    pack_matrix(pk, f->dtype, f->W, f->out, f->in, 'C');
+    pb_pack_str(pk, "x");
+    pack_matrix(pk, f->dtype, f->X, f->in, f->batch, f->xorder ? f->xorder : 'C');
+    if (f->bias) {
+        pb_pack_str(pk, "bias");
+        pack_matrix(pk, f->dtype, f->B, f->out, 0, 'C');
+    }
+}
+
+/* forward or augmented_forward of f; wrt is a NULL-terminated list. */
+static uint32_t send_fd(pb_client_t *c, const fd_t *f, const char *const *wrt, const char *extra_key,
+                        const char *extra_val)
+{
+    msgpack_packer *pk = pb_client_begin(c, wrt ? "augmented_forward" : "forward");
+    int nw = 0;
+    while (wrt && wrt[nw])
+        nw++;
+    msgpack_pack_map(pk, 3 + (wrt != NULL) + (extra_key != NULL));
+    pb_pack_kv_str(pk, "op", "fused_dense");
+    pack_inputs(pk, f);
+    pb_pack_str(pk, "options");
+    msgpack_pack_map(pk, 1);
+    pb_pack_kv_str(pk, "act", f->act);
+    if (wrt) {
+        pb_pack_str(pk, "wrt");
+        msgpack_pack_array(pk, (size_t)nw);
+        for (int i = 0; i < nw; i++)
+            pb_pack_str(pk, wrt[i]);
+    }
+    if (extra_key)
+        pb_pack_kv_str(pk, extra_key, extra_val);
+    uint32_t id;
+    assert_int_equal(pb_client_send(c, &id), 0);
+    return id;
+}
+
+static uint32_t send_reverse(pb_client_t *c, uint64_t tape, const char *dtype, const double *ybar, size_t out,
+                             size_t batch, bool keep)
+{
+    msgpack_packer *pk = pb_client_begin(c, "reverse");
+    msgpack_pack_map(pk, keep ? 3 : 2);
+    pb_pack_str(pk, "tape");
+    msgpack_pack_uint64(pk, tape);
+    pb_pack_str(pk, "cotangents");
+    msgpack_pack_map(pk, ybar ? 1 : 0);
+    if (ybar) {
+        pb_pack_str(pk, "y");
+        pack_matrix(pk, dtype, ybar, out, batch, 'C');
+    }
+    if (keep) {
+        pb_pack_str(pk, "keep");
+        msgpack_pack_true(pk);
+    }
+    uint32_t id;
+    assert_int_equal(pb_client_send(c, &id), 0);
+    return id;
+}
+
+static void simple(pb_client_t *c, const char *method, pb_reply_t *r)
+{
+    msgpack_packer *pk = pb_client_begin(c, method);
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_call(c, r), 0);
+}
+
+static uint64_t stat_of(pb_client_t *c, const char *key)
+{
+    pb_reply_t r;
+    simple(c, "stats", &r);
+    uint64_t v = 0;
+    assert_int_equal(pb_obj_uint(pb_obj_get(r.result, key), &v), 0);
+    pb_reply_free(&r);
+    return v;
+}
+
+static void expect_code(pb_client_t *c, uint32_t id, const char *code)
+{
+    pb_reply_t r;
+    assert_int_equal(pb_client_wait(c, id, &r), 0);
+    if (r.error == NULL || strcmp(pb_reply_code(&r), code) != 0)
+        fail_msg("expected %s, got %s (%s)", code, r.error ? pb_reply_code(&r) : "success",
+                 r.error ? pb_reply_message(&r) : "");
+    assert_true(strlen(pb_reply_message(&r)) > 0);
+    pb_reply_free(&r);
+}
+
+/* ---- reference ----------------------------------------------------------- */
+
+static double act_ref(const char *a, double z)
+{
+    if (!strcmp(a, "gelu"))
+        return 0.5 * z * (1 + tanh(sqrt(2 / M_PI) * (z + 0.044715 * z * z * z)));
+    if (!strcmp(a, "relu"))
+        return z > 0 ? z : 0;
+    if (!strcmp(a, "sigmoid"))
+        return 1 / (1 + exp(-z));
+    if (!strcmp(a, "softplus"))
+        return log1p(exp(z));
+    return z;
+}
+
+static double dact_ref(const char *a, double z)
+{
+    double h = 1e-6;
+    return (act_ref(a, z + h) - act_ref(a, z - h)) / (2 * h);
+}
+
+static void random_fd(fd_t *f, const char *dtype, const char *act, unsigned seed)
+{
+    memset(f, 0, sizeof *f);
+    srand(seed);
+    f->dtype = dtype;
+    f->act = act;
+    f->out = 3, f->in = 4, f->batch = 2, f->bias = true;
+    for (int i = 0; i < 64; i++) {
+        f->W[i] = rand() / (double)RAND_MAX - 0.5;
+        f->X[i] = rand() / (double)RAND_MAX * 2 - 1;
+    }
+    for (int i = 0; i < 8; i++)
+        f->B[i] = rand() / (double)RAND_MAX - 0.5;
+}
+
+static void z_of(const fd_t *f, double *z)
+{
+    size_t nb = f->batch ? f->batch : 1;
+    for (size_t i = 0; i < f->out; i++)
+        for (size_t j = 0; j < nb; j++) {
+            double s = f->bias ? f->B[i] : 0;
+            for (size_t l = 0; l < f->in; l++)
+                s += f->W[i * f->in + l] * f->X[l * nb + j];
+            z[i * nb + j] = s;
+        }
+}
+
+static void check_tensor(const msgpack_object *o, const double *ref, size_t n, double tol)
+{
+    pb_ctensor_t t;
+    assert_int_equal(pb_obj_tensor(o, &t), 0);
+    assert_int_equal(pb_ctensor_count(&t), n);
+    double v[64];
+    assert_int_equal(pb_ctensor_copy_f64(&t, v, n), 0);
+    double scale = 1;
+    for (size_t i = 0; i < n; i++)
+        scale = fmax(scale, fabs(ref[i]));
+    for (size_t i = 0; i < n; i++)
+        if (fabs(v[i] - ref[i]) > tol * scale)
+            fail_msg("element %zu: %.17g, expected %.17g", i, v[i], ref[i]);
+}
+
+/* ---- tests ----------------------------------------------------------------- */
+
+static void hello_ops_stats(void **state)
+{
+    (void)state;
+    pb_client_t *c = conn(&main_daemon);
+    pb_reply_t r;
+    simple(c, "hello", &r);
+    int64_t proto;
+    assert_int_equal(pb_obj_int(pb_obj_get(r.result, "protocol"), &proto), 0);
+    assert_int_equal(proto, 1);
+    const char *limits[] = {"max_message_bytes", "max_tape_bytes", "max_tape_bytes_per_uid",
+                            "max_tapes_per_connection", "max_inflight_per_connection"};
+    for (int i = 0; i < 5; i++)
+        assert_non_null(pb_obj_get(pb_obj_get(r.result, "limits"), limits[i]));
+    assert_int_equal(pb_obj_strcmp(pb_obj_path(r.result, "devices.0"), "cpu"), 0);
+    pb_reply_free(&r);
+    simple(c, "ops", &r);
+    assert_non_null(pb_obj_path(r.result, "ops.fused_dense.inputs.weight"));
+    assert_non_null(pb_obj_path(r.result, "ops.fused_dense.options.act.default"));
+    pb_reply_free(&r);
+    simple(c, "stats", &r);
+    const char *keys[] = {"tapes", "tape_bytes", "peer_tapes", "peer_tape_bytes", "connections",
+                          "requests_served", "requests_in_flight", "devices"};
+    for (int i = 0; i < 8; i++)
+        assert_non_null(pb_obj_get(r.result, keys[i]));
+    assert_non_null(pb_obj_path(r.result, "devices.0.memory_bytes"));
+    pb_reply_free(&r);
+    pb_client_close(c);
+}
+
+static void numbers(void **state)
+{
+    (void)state;
+    pb_client_t *c = conn(&main_daemon);
+    const char *acts[] = {"gelu", "relu", "sigmoid", "softplus"};
+    const char *dtypes[] = {"f64", "f32"};
+    const char *const wrt[] = {"weight", "x", "bias", NULL};
+    for (int a = 0; a < 4; a++)
+        for (int d = 0; d < 2; d++)
+            for (int xo = 0; xo < 2; xo++) {
+                fd_t f;
+                random_fd(&f, dtypes[d], acts[a], (unsigned)(a * 10 + d + 1));
+                f.xorder = xo ? 'F' : 'C';
+                double tol = d ? 2e-5 : 1e-12;
+                double z[16], y[16], yb[16], dz[16], gw[16], gx[16], gb[4] = {0};
+                z_of(&f, z);
+                for (size_t i = 0; i < 6; i++) {
+                    y[i] = act_ref(f.act, z[i]);
+                    yb[i] = 0.25 * (double)i - 0.6;
+                    dz[i] = yb[i] * dact_ref(f.act, z[i]);
+                }
+                for (size_t i = 0; i < 3; i++)
+                    for (size_t l = 0; l < 4; l++) {
+                        gw[i * 4 + l] = dz[i * 2] * f.X[l * 2] + dz[i * 2 + 1] * f.X[l * 2 + 1];
+                    }
+                for (size_t l = 0; l < 4; l++)
+                    for (size_t j = 0; j < 2; j++)
+                        gx[l * 2 + j] = f.W[0 * 4 + l] * dz[0 * 2 + j] + f.W[1 * 4 + l] * dz[1 * 2 + j] +
+                                        f.W[2 * 4 + l] * dz[2 * 2 + j];
+                for (size_t i = 0; i < 3; i++)
+                    gb[i] = dz[i * 2] + dz[i * 2 + 1];
+
+                pb_reply_t r;
+                assert_int_equal(pb_client_wait(c, send_fd(c, &f, NULL, NULL, NULL), &r), 0);
+                assert_null(r.error);
+                check_tensor(pb_obj_path(r.result, "outputs.y"), y, 6, tol);
+                pb_reply_free(&r);
+
+                assert_int_equal(pb_client_wait(c, send_fd(c, &f, wrt, NULL, NULL), &r), 0);
+                assert_null(r.error);
+                uint64_t tape, tb;
+                assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape"), &tape), 0);
+                assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape_bytes"), &tb), 0);
+                pb_reply_free(&r);
+                assert_int_equal(pb_client_wait(c, send_reverse(c, tape, f.dtype, yb, 3, 2, false), &r), 0);
+                assert_null(r.error);
+                /* The difference in dact_ref costs ~1e-10. */
+                double gtol = fmax(tol, 1e-8);
+                check_tensor(pb_obj_path(r.result, "gradients.weight"), gw, 12, gtol);
+                check_tensor(pb_obj_path(r.result, "gradients.x"), gx, 8, gtol);
+                check_tensor(pb_obj_path(r.result, "gradients.bias"), gb, 3, gtol);
+                pb_reply_free(&r);
+                /* Consumed. */
+                expect_code(c, send_reverse(c, tape, f.dtype, yb, 3, 2, false), "unknown_tape");
+            }
+    pb_client_close(c);
+}
+
+static uint64_t tape_bytes_for(pb_client_t *c, const char *act, const char *const *wrt)
+{
+    fd_t f;
+    random_fd(&f, "f64", act, 5);
+    pb_reply_t r;
+    assert_int_equal(pb_client_wait(c, send_fd(c, &f, wrt, NULL, NULL), &r), 0);
+    assert_null(r.error);
+    uint64_t tb, tape;
+    assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape_bytes"), &tb), 0);
+    assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape"), &tape), 0);
+    pb_reply_free(&r);
+    msgpack_packer *pk = pb_client_begin(c, "release");
+    msgpack_pack_map(pk, 1);
+    pb_pack_str(pk, "tape");
+    msgpack_pack_uint64(pk, tape);
+    assert_int_equal(pb_client_call(c, &r), 0);
+    bool released = false;
+    assert_int_equal(pb_obj_bool(pb_obj_get(r.result, "released"), &released), 0);
+    assert_true(released);
+    pb_reply_free(&r);
+    return tb;
+}
+
+static void tape_bytes_exact(void **state)
+{
+    (void)state;
+    pb_client_t *c = conn(&main_daemon);
+    const char *const none[] = {NULL}, *const b[] = {"bias", NULL}, *const w[] = {"weight", NULL},
+                      *const x[] = {"x", NULL};
+    /* W 3×4, x 4×2, y 3×2, f64. */
+    const uint64_t y = 6 * 8, xb = 8 * 8, wb = 12 * 8;
+    const char *acts[] = {"gelu", "tanh", "identity"};
+    for (int a = 0; a < 3; a++) {
+        uint64_t src = strcmp(acts[a], "identity") ? y : 0;
+        assert_int_equal(tape_bytes_for(c, acts[a], none), 0);
+        assert_int_equal(tape_bytes_for(c, acts[a], b), src);
+        assert_int_equal(tape_bytes_for(c, acts[a], w), src + xb);
+        assert_int_equal(tape_bytes_for(c, acts[a], x), src + wb);
+    }
+    pb_client_close(c);
+}
+
+static void keep_and_failed_validation(void **state)
+{
+    (void)state;
+    pb_client_t *c = conn(&main_daemon);
+    fd_t f;
+    random_fd(&f, "f64", "gelu", 9);
+    const char *const wrt[] = {"x", NULL};
+    pb_reply_t r;
+    assert_int_equal(pb_client_wait(c, send_fd(c, &f, wrt, NULL, NULL), &r), 0);
+    uint64_t tape;
+    assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape"), &tape), 0);
+    pb_reply_free(&r);
+    double yb[6] = {1, 2, 3, 4, 5, 6};
+    /* Wrong dtype, wrong shape: rejected, tape kept. */
+    expect_code(c, send_reverse(c, tape, "f32", yb, 3, 2, false), "dtype_mismatch");
+    expect_code(c, send_reverse(c, tape, "f64", yb, 2, 3, false), "shape_mismatch");
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(pb_client_wait(c, send_reverse(c, tape, "f64", yb, 3, 2, true), &r), 0);
+        assert_null(r.error);
+        pb_reply_free(&r);
+    }
+    assert_int_equal(pb_client_wait(c, send_reverse(c, tape, "f64", yb, 3, 2, false), &r), 0);
+    assert_null(r.error);
+    pb_reply_free(&r);
+    expect_code(c, send_reverse(c, tape, "f64", yb, 3, 2, false), "unknown_tape");
+    /* Forged handle. */
+    expect_code(c, send_reverse(c, tape ^ 0x5a5a5a5a5a5aull, "f64", yb, 3, 2, false), "unknown_tape");
+    pb_client_close(c);
+}
+
+static void check_method(void **state)
+{
+    (void)state;
+    pb_client_t *c = conn(&main_daemon);
+    fd_t f;
+    random_fd(&f, "f64", "gelu", 3);
+    msgpack_packer *pk = pb_client_begin(c, "check");
+    msgpack_pack_map(pk, 4);
+    pb_pack_kv_str(pk, "op", "fused_dense");
+    pack_inputs(pk, &f);
+    pb_pack_str(pk, "options");
+    msgpack_pack_map(pk, 1);
+    pb_pack_kv_str(pk, "act", "gelu");
+    pb_pack_str(pk, "wrt");
+    msgpack_pack_array(pk, 3);
+    pb_pack_str(pk, "weight");
+    pb_pack_str(pk, "x");
+    pb_pack_str(pk, "bias");
+    pb_reply_t r;
+    assert_int_equal(pb_client_call(c, &r), 0);
+    assert_null(r.error);
+    double e;
+    assert_int_equal(pb_obj_double(pb_obj_get(r.result, "max_rel_err"), &e), 0);
+    assert_true(e < 1e-6);
+    assert_non_null(pb_obj_path(r.result, "per_input.bias"));
+    pb_reply_free(&r);
+    pb_client_close(c);
+}
+
+/* Helpers for hand-built bad requests. */
+static uint32_t send_forward_with(pb_client_t *c, void (*mutate)(msgpack_packer *, int), int which)
+{
+    msgpack_packer *pk = pb_client_begin(c, "forward");
+    mutate(pk, which);
+    uint32_t id;
+    assert_int_equal(pb_client_send(c, &id), 0);
+    return id;
+}
+
+static void bad_tensor(msgpack_packer *pk, int which)
+{
+    double d[4] = {1, 2, 3, 4};
+    msgpack_pack_map(pk, 2);
+    pb_pack_kv_str(pk, "op", "fused_dense");
+    pb_pack_str(pk, "inputs");
+    msgpack_pack_map(pk, 2);
+    pb_pack_str(pk, "weight");
+    pb_ctensor_t w = {.dtype = "f64", .rank = 2, .shape = {2, 2}, .data = d, .nbytes = 32};
+    if (which == 0)
+        w.dtype = "c128", w.shape[1] = 1;      /* complex to fused_dense */
+    if (which == 1)
+        w.dtype = "f16";                       /* unknown dtype */
+    if (which == 2)
+        w.nbytes = 31;                         /* data length */
+    if (which == 3) {                          /* rank 17 by hand */
+        msgpack_pack_map(pk, 3);
+        pb_pack_kv_str(pk, "dtype", "f64");
+        pb_pack_str(pk, "shape");
+        msgpack_pack_array(pk, 17);
+        for (int i = 0; i < 17; i++)
+            msgpack_pack_uint64(pk, 1);
+        pb_pack_str(pk, "data");
+        msgpack_pack_bin_with_body(pk, d, 8);
+    } else if (which == 4) {                   /* negative dimension */
+        msgpack_pack_map(pk, 3);
+        pb_pack_kv_str(pk, "dtype", "f64");
+        pb_pack_str(pk, "shape");
+        msgpack_pack_array(pk, 2);
+        msgpack_pack_int(pk, -2);
+        msgpack_pack_int(pk, 2);
+        pb_pack_str(pk, "data");
+        msgpack_pack_bin_with_body(pk, d, 32);
+    } else {
+        pb_pack_tensor(pk, &w);
+    }
+    pb_pack_str(pk, "x");
+    pb_ctensor_t x = {.dtype = which == 5 ? "f32" : "f64", .rank = 2, .shape = {2, 2}, .data = d,
+                      .nbytes = which == 5 ? 16 : 32};
+    if (which == 6)
+        x.shape[0] = 1, x.nbytes = 16;         /* x rows != W cols */
+    pb_pack_tensor(pk, &x);
+}
+
+static void bad_params(msgpack_packer *pk, int which)
+{
+    double d[4] = {1, 2, 3, 4};
+    pb_ctensor_t t = {.dtype = "f64", .rank = 2, .shape = {2, 2}, .data = d, .nbytes = 32};
+    pb_ctensor_t b = {.dtype = "f64", .rank = 1, .shape = {3}, .data = d, .nbytes = 24};
+    int n = 2 + (which == 0 || which == 1 || which == 2 || which == 5);
+    msgpack_pack_map(pk, (size_t)n);
+    pb_pack_kv_str(pk, "op", which == 3 ? "no_such_op" : "fused_dense");
+    pb_pack_str(pk, "inputs");
+    msgpack_pack_map(pk, which == 4 ? 1 : which == 6 ? 3 : 2);
+    pb_pack_str(pk, "weight");
+    pb_pack_tensor(pk, &t);
+    if (which != 4) {
+        pb_pack_str(pk, "x");
+        pb_pack_tensor(pk, &t);
+    }
+    if (which == 6) {
+        pb_pack_str(pk, "bias");
+        pb_pack_tensor(pk, &b);
+    }
+    if (which == 0)
+        pb_pack_kv_str(pk, "bogus", "1");
+    if (which == 1 || which == 2) {
+        pb_pack_str(pk, "options");
+        msgpack_pack_map(pk, 1);
+        pb_pack_kv_str(pk, which == 1 ? "actt" : "act", which == 1 ? "relu" : "swish");
+    }
+    if (which == 5)
+        pb_pack_kv_str(pk, "device", "cuda");
+}
+
+static void errors(void **state)
+{
+    (void)state;
+    pb_client_t *c = conn(&main_daemon);
+    const char *tensor_codes[] = {"invalid_argument", "invalid_argument", "invalid_argument", "invalid_argument",
+                                  "invalid_argument", "dtype_mismatch",   "shape_mismatch"};
+    for (int i = 0; i < 7; i++)
+        expect_code(c, send_forward_with(c, bad_tensor, i), tensor_codes[i]);
+    const char *param_codes[] = {"invalid_argument", "invalid_argument", "invalid_argument", "unknown_op",
+                                 "invalid_argument", "device_unavailable", "shape_mismatch"};
+    for (int i = 0; i < 7; i++)
+        expect_code(c, send_forward_with(c, bad_params, i), param_codes[i]);
+
+    msgpack_packer *pk = pb_client_begin(c, "no_such_method");
+    msgpack_pack_map(pk, 0);
+    uint32_t id;
+    assert_int_equal(pb_client_send(c, &id), 0);
+    expect_code(c, id, "unknown_method");
+
+    pk = pb_client_begin(c, "release");
+    msgpack_pack_map(pk, 1);
+    pb_pack_kv_str(pk, "tape", "not a handle");
+    assert_int_equal(pb_client_send(c, &id), 0);
+    expect_code(c, id, "invalid_argument");
+
+    /* Well-formed msgpack that is not a request: answered, connection kept. */
+    const unsigned char not_rpc[] = {0x94, 0x05, 0x07, 0xa1, 'x', 0x91, 0x80};      /* [5, 7, "x", [{}]] */
+    const unsigned char two_params[] = {0x94, 0x00, 0x08, 0xa5, 'h', 'e', 'l', 'l', 'o', 0x92, 0x80, 0x80};
+    assert_int_equal(pb_client_send_raw(c, not_rpc, sizeof not_rpc), 0);
+    pb_reply_t r;
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_string_equal(pb_reply_code(&r), "invalid_request");
+    pb_reply_free(&r);
+    assert_int_equal(pb_client_send_raw(c, two_params, sizeof two_params), 0);
+    expect_code(c, 8, "invalid_request");
+    simple(c, "hello", &r);
+    assert_null(r.error);
+    pb_reply_free(&r);
+    pb_client_close(c);
+}
+
+/* A framing error: one parse_error with msgid 0, then the connection is
+ * closed, and the daemon serves others. */
+static void parse_errors(void **state)
+{
+    (void)state;
+    unsigned char deep[40];
+    memset(deep, 0x91, 33);
+    deep[33] = 0xc0;
+    const struct {
+        const void *p;
+        size_t n;
+    } cases[] = {
+        {"\xc1garbage", 8},
+        {"\xdf\xff\xff\xff\xff", 5},
+        {deep, 34},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        pb_client_t *c = conn(&main_daemon);
+        assert_int_equal(pb_client_send_raw(c, cases[i].p, cases[i].n), 0);
+        pb_reply_t r;
+        assert_int_equal(pb_client_recv_timeout(c, &r, 5000), 0);
+        assert_int_equal(r.msgid, 0);
+        assert_string_equal(pb_reply_code(&r), "parse_error");
+        pb_reply_free(&r);
+        assert_int_equal(pb_client_recv_timeout(c, &r, 5000), -EPIPE);
+        pb_client_close(c);
+        pb_client_t *o = conn(&main_daemon);
+        simple(o, "hello", &r);
+        assert_null(r.error);
+        pb_reply_free(&r);
+        pb_client_close(o);
+    }
+}
+
+static void pipelined_1000(void **state)
+{
+    (void)state;
+    pb_client_t *c = conn(&main_daemon);
+    enum { N = 1000 };
+    static uint32_t ids[N];
+    static int kind[N];
+    fd_t f;
+    random_fd(&f, "f64", "relu", 11);
+    const char *const wrt[] = {"bias", NULL};
+    for (int i = 0; i < N; i++) {
+        kind[i] = i % 3;
+        if (kind[i] == 0) {
+            msgpack_packer *pk = pb_client_begin(c, "hello");
+            msgpack_pack_map(pk, 0);
+            assert_int_equal(pb_client_send(c, &ids[i]), 0);
+        } else {
+            ids[i] = send_fd(c, &f, kind[i] == 2 ? wrt : NULL, kind[i] == 2 ? "scope" : NULL, "connection");
+        }
+    }
+    static bool seen[N];
+    memset(seen, 0, sizeof seen);
+    double z[16], y[16];
+    z_of(&f, z);
+    for (int i = 0; i < 6; i++)
+        y[i] = act_ref("relu", z[i]);
+    for (int n = 0; n < N; n++) {
+        pb_reply_t r;
+        assert_int_equal(pb_client_recv(c, &r), 0);
+        int i = -1;
+        for (int k = 0; k < N; k++)
+            if (ids[k] == r.msgid)
+                i = k;
+        assert_true(i >= 0);
+        assert_false(seen[i]);
+        seen[i] = true;
+        assert_null(r.error);
+        if (kind[i] == 0)
+            assert_non_null(pb_obj_get(r.result, "protocol"));
+        else
+            check_tensor(pb_obj_path(r.result, "outputs.y"), y, 6, 1e-12);
+        if (kind[i] == 2)
+            assert_non_null(pb_obj_get(r.result, "tape"));
+        pb_reply_free(&r);
+    }
+    assert_int_equal(stat_of(c, "peer_tapes") >= N / 3, 1);
+    pb_client_close(c);
+}
+
+static void two_connections(void **state)
+{
+    (void)state;
+    pb_client_t *a = conn(&main_daemon), *b = conn(&main_daemon);
+    fd_t f;
+    random_fd(&f, "f64", "tanh", 13);
+    const char *const wrt[] = {"weight", NULL};
+    pb_reply_t r;
+    uint64_t ct, pt;
+    assert_int_equal(pb_client_wait(a, send_fd(a, &f, wrt, NULL, NULL), &r), 0);
+    assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape"), &ct), 0);
+    pb_reply_free(&r);
+    assert_int_equal(pb_client_wait(a, send_fd(a, &f, wrt, "scope", "peer"), &r), 0);
+    assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape"), &pt), 0);
+    pb_reply_free(&r);
+    double yb[6] = {1, 1, 1, 1, 1, 1};
+    expect_code(b, send_reverse(b, ct, "f64", yb, 3, 2, false), "unknown_tape");
+    msgpack_packer *pk = pb_client_begin(b, "release");
+    msgpack_pack_map(pk, 1);
+    pb_pack_str(pk, "tape");
+    msgpack_pack_uint64(pk, ct);
+    assert_int_equal(pb_client_call(b, &r), 0);
+    bool rel = true;
+    assert_int_equal(pb_obj_bool(pb_obj_get(r.result, "released"), &rel), 0);
+    assert_false(rel);
+    pb_reply_free(&r);
+    /* The peer-scoped tape is usable from b (same uid). */
+    assert_int_equal(pb_client_wait(b, send_reverse(b, pt, "f64", yb, 3, 2, false), &r), 0);
+    assert_null(r.error);
+    pb_reply_free(&r);
+    /* a's own tape still works for a. */
+    assert_int_equal(pb_client_wait(a, send_reverse(a, ct, "f64", yb, 3, 2, false), &r), 0);
+    assert_null(r.error);
+    pb_reply_free(&r);
+    pb_client_close(a);
+    pb_client_close(b);
+}
+
+static void closed_connection_frees(void **state)
+{
+    (void)state;
+    pb_client_t *b = conn(&main_daemon);
+    uint64_t before = stat_of(b, "tapes");
+    pb_client_t *a = conn(&main_daemon);
+    fd_t f;
+    random_fd(&f, "f64", "gelu", 17);
+    const char *const wrt[] = {"weight", "x", NULL};
+    for (int i = 0; i < 3; i++) {
+        pb_reply_t r;
+        assert_int_equal(pb_client_wait(a, send_fd(a, &f, wrt, NULL, NULL), &r), 0);
+        assert_null(r.error);
+        pb_reply_free(&r);
+    }
+    assert_int_equal(stat_of(b, "tapes"), before + 3);
+    pb_client_close(a);
+    int i;
+    for (i = 0; i < 200 && stat_of(b, "tapes") != before; i++)
+        usleep(10000);
+    assert_int_equal(stat_of(b, "tapes"), before);
+    pb_client_close(b);
+}
+
+static void bad_message_isolated(void **state)
+{
+    (void)state;
+    pb_client_t *a = conn(&main_daemon), *b = conn(&main_daemon);
+    uint32_t ids[20];
+    for (int i = 0; i < 10; i++) {
+        msgpack_packer *pk = pb_client_begin(b, "hello");
+        msgpack_pack_map(pk, 0);
+        assert_int_equal(pb_client_send(b, &ids[i]), 0);
+    }
+    assert_int_equal(pb_client_send_raw(a, "\xc1\xc1\xc1", 3), 0);
+    for (int i = 10; i < 20; i++) {
+        msgpack_packer *pk = pb_client_begin(b, "hello");
+        msgpack_pack_map(pk, 0);
+        assert_int_equal(pb_client_send(b, &ids[i]), 0);
+    }
+    for (int i = 0; i < 20; i++) {
+        pb_reply_t r;
+        assert_int_equal(pb_client_wait(b, ids[i], &r), 0);
+        assert_null(r.error);
+        pb_reply_free(&r);
+    }
+    pb_client_close(a);
+    pb_client_close(b);
+}
+
+static void ttl_expiry(void **state)
+{
+    (void)state;
+    pb_client_t *c = conn(&main_daemon);
+    fd_t f;
+    random_fd(&f, "f64", "gelu", 19);
+    const char *const wrt[] = {"bias", NULL};
+    msgpack_packer *pk = pb_client_begin(c, "augmented_forward");
+    msgpack_pack_map(pk, 5);
+    pb_pack_kv_str(pk, "op", "fused_dense");
+    pack_inputs(pk, &f);
+    pb_pack_str(pk, "wrt");
+    msgpack_pack_array(pk, 1);
+    pb_pack_str(pk, wrt[0]);
+    pb_pack_kv_str(pk, "scope", "peer");
+    pb_pack_str(pk, "ttl_s");
+    msgpack_pack_double(pk, 0.3);
+    pb_reply_t r;
+    assert_int_equal(pb_client_call(c, &r), 0);
+    assert_null(r.error);
+    uint64_t tape;
+    assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape"), &tape), 0);
+    pb_reply_free(&r);
+    usleep(1200000);
+    double yb[6] = {0};
+    expect_code(c, send_reverse(c, tape, "f64", yb, 3, 2, false), "unknown_tape");
+    pb_client_close(c);
+}
+
+static void limits(void **state)
+{
+    (void)state;
+    daemon_t d;
+    assert_int_equal(start(&d, "limits.sock", "--max-tape-bytes", "100", "--max-tapes-per-connection", "2", NULL), 0);
+    pb_client_t *c = conn(&d);
+    fd_t f;
+    random_fd(&f, "f64", "gelu", 23);
+    const char *const big[] = {"weight", "x", NULL}, *const small[] = {"bias", NULL};
+    /* y (48 bytes) + x (64) + W (96) > 100. */
+    pb_reply_t r;
+    assert_int_equal(pb_client_wait(c, send_fd(c, &f, big, NULL, NULL), &r), 0);
+    assert_non_null(r.error);
+    assert_string_equal(pb_reply_code(&r), "resource_exhausted");
+    assert_int_equal(pb_obj_strcmp(pb_obj_get(r.error, "limit"), "max_tape_bytes"), 0);
+    pb_reply_free(&r);
+    /* Two small tapes fit (48 bytes each); the third is over the count. */
+    f.out = 1, f.batch = 2;
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(pb_client_wait(c, send_fd(c, &f, small, NULL, NULL), &r), 0);
+        assert_null(r.error);
+        pb_reply_free(&r);
+    }
+    assert_int_equal(pb_client_wait(c, send_fd(c, &f, small, NULL, NULL), &r), 0);
+    assert_non_null(r.error);
+    assert_int_equal(pb_obj_strcmp(pb_obj_get(r.error, "limit"), "max_tapes_per_connection"), 0);
+    pb_reply_free(&r);
+    /* Nothing else is disturbed. */
+    assert_int_equal(pb_client_wait(c, send_fd(c, &f, NULL, NULL, NULL), &r), 0);
+    assert_null(r.error);
+    pb_reply_free(&r);
+    pb_client_close(c);
+    assert_int_equal(stop(&d), 0);
+}
+
+static void shutdown_method(void **state)
+{
+    (void)state;
+    daemon_t d;
+    assert_int_equal(start(&d, "shutdown.sock", NULL), 0);
+    pb_client_t *c = conn(&d), *o = conn(&d);
+    pb_reply_t r;
+    simple(c, "shutdown", &r);
+    if (getuid() == 0 || r.error == NULL) {
+        assert_null(r.error);
+        pb_reply_free(&r);
+        /* A later request: shutting_down, or the connection is gone. */
+        msgpack_packer *pk = pb_client_begin(o, "hello");
+        msgpack_pack_map(pk, 0);
+        uint32_t id;
+        if (pb_client_send(o, &id) == 0 && pb_client_recv_timeout(o, &r, 5000) == 0) {
+            assert_string_equal(pb_reply_code(&r), "shutting_down");
+            pb_reply_free(&r);
+        }
+        int st;
+        assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
+        assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    } else {
+        assert_string_equal(pb_reply_code(&r), "permission_denied");
+        pb_reply_free(&r);
+        assert_int_equal(stop(&d), 0);
+    }
+    pb_client_close(c);
+    pb_client_close(o);
+}
+
+static void socket_takeover(void **state)
+{
+    (void)state;
+    /* A stale socket file (nothing listening) is replaced. */
+    char path[100];
+    snprintf(path, sizeof path, "%s/stale.sock", dir);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
+    assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    close(fd);
+    daemon_t d;
+    assert_int_equal(start(&d, "stale.sock", NULL), 0);
+    struct stat st;
+    assert_int_equal(stat(d.path, &st), 0);
+    assert_int_equal(st.st_mode & 0777, 0660);
+    /* A second daemon on a live path refuses to start; the first serves on. */
+    pid_t p2 = fork();
+    if (p2 == 0) {
+        execl(daemon_bin, daemon_bin, "--socket", d.path, "--log-level", "error", (char *)NULL);
+        _exit(127);
+    }
+    int st2;
+    assert_int_equal(waitpid(p2, &st2, 0), p2);
+    assert_true(WIFEXITED(st2) && WEXITSTATUS(st2) != 0 && WEXITSTATUS(st2) != 127);
+    pb_client_t *c = conn(&d);
+    pb_reply_t r;
+    simple(c, "hello", &r);
+    assert_null(r.error);
+    pb_reply_free(&r);
+    pb_client_close(c);
+    assert_int_equal(stop(&d), 0);
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    snprintf(dir, sizeof dir, "/tmp/pbe2e.XXXXXX");
+    if (mkdtemp(dir) == NULL)
+        return -1;
+    return start(&main_daemon, "main.sock", "--workers", "2", NULL);
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    int rc = stop(&main_daemon);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    if (system(cmd) != 0)
+        return -1;
+    return rc;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fprintf(stderr, "usage: e2e_daemon PATH_TO_PULLBACKD\n");
+        return 2;
+    }
+    daemon_bin = argv[1];
+    signal(SIGPIPE, SIG_IGN);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(hello_ops_stats), cmocka_unit_test(numbers),
+        cmocka_unit_test(tape_bytes_exact), cmocka_unit_test(keep_and_failed_validation),
+        cmocka_unit_test(check_method),     cmocka_unit_test(errors),
+        cmocka_unit_test(parse_errors),     cmocka_unit_test(pipelined_1000),
+        cmocka_unit_test(two_connections),  cmocka_unit_test(closed_connection_frees),
+        cmocka_unit_test(bad_message_isolated), cmocka_unit_test(ttl_expiry),
+        cmocka_unit_test(limits),           cmocka_unit_test(shutdown_method),
+        cmocka_unit_test(socket_takeover),
+    };
+    return cmocka_run_group_tests_name("e2e.daemon", tests, setup, teardown);
+}
