@@ -29,6 +29,7 @@ void pb_conn_unref(pb_conn_t *c)
         return;
     free(c->buf);
     msgpack_sbuffer_destroy(&c->obuf);
+    msgpack_zone_destroy(&c->zone);
     free(c);
 }
 
@@ -125,10 +126,15 @@ static pb_storage_t *take_message(pb_conn_t *c, size_t n)
         c->start = 0;
         return s;
     }
-    pb_storage_t *s = pb_storage_new(n, false);
-    if (s == NULL)
+    char *p = malloc(n ? n : 1);
+    if (p == NULL)
         return NULL;
-    memcpy(s->ptr, c->buf + c->start, n);
+    pb_storage_t *s = pb_storage_view(p, n, free, p);
+    if (s == NULL) {
+        free(p);
+        return NULL;
+    }
+    memcpy(p, c->buf + c->start, n);
     c->start += n;
     return s;
 }
@@ -230,6 +236,7 @@ void pb_conn_accept(pb_server_t *s)
     c->refs = 1;
     c->id = ++s->next_conn_id;
     msgpack_sbuffer_init(&c->obuf);
+    msgpack_zone_init(&c->zone, 4096);
     uv_pipe_init(s->loop, &c->pipe, 0);
     c->pipe.data = c;
     if (uv_accept((uv_stream_t *)&s->listener, (uv_stream_t *)&c->pipe) != 0) {
@@ -328,8 +335,24 @@ static void write_now(pb_conn_t *c, pb_out_t *o, msgpack_sbuffer *flat)
 
 static void flush(pb_conn_t *c)
 {
-    if (c->obuf.size && !c->closing)
-        write_now(c, NULL, &c->obuf);
+    if (!c->obuf.size || c->closing)
+        return;
+    if (c->pending_write == 0) {
+        /* Nothing queued, so order is kept.  Writing inline saves the
+         * uv_write_t, its callback, and the epoll_ctl that libuv's
+         * uv__drain() issues after every completed queued write. */
+        uv_buf_t b = uv_buf_init(c->obuf.data, (unsigned)c->obuf.size);
+        int n = uv_try_write((uv_stream_t *)&c->pipe, &b, 1);
+        if (n == (int)c->obuf.size) {
+            c->obuf.size = 0;
+            return;
+        }
+        if (n > 0) {
+            memmove(c->obuf.data, c->obuf.data + n, c->obuf.size - (size_t)n);
+            c->obuf.size -= (size_t)n;
+        }
+    }
+    write_now(c, NULL, &c->obuf);
 }
 
 void pb_conn_send(pb_conn_t *c, pb_out_t *o)

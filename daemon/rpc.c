@@ -52,14 +52,21 @@ static void tape_next(pb_server_t *s, pb_tape_t *t);
 
 /* ---- finishing ---------------------------------------------------------- */
 
+static void unref_all(pb_tensor_t *t, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (t[i].storage)
+            pb_storage_unref(t[i].storage);
+}
+
+/* r is freed right after: drop the references, skip clearing the structs. */
 static void req_free(pb_req_t *r)
 {
-    pb_call_clear(&r->call);
-    pb_tapedata_clear(&r->tdata);
-    for (int i = 0; i < PB_MAX_IO; i++)
-        pb_tensor_clear(&r->cot[i]);
-    for (int i = 0; i < PB_MAX_IO + 2; i++)
-        pb_tensor_clear(&r->grad[i]);
+    unref_all(r->call.in, PB_MAX_IO);
+    unref_all(r->call.out, PB_MAX_IO);
+    unref_all(r->tdata.saved, PB_MAX_SAVED);
+    unref_all(r->cot, PB_MAX_IO);
+    unref_all(r->grad, PB_MAX_IO + 2);
     free(r);
 }
 
@@ -148,6 +155,20 @@ static int get_handle(const msgpack_object *params, uint64_t *h, pb_err_t *err)
     return 0;
 }
 
+/* what = prefix + name, cut to len: the success path must not pay for
+ * vsnprintf just to have the argument name ready for an error. */
+static void join(char *what, size_t len, const char *prefix, const char *name)
+{
+    size_t a = strlen(prefix), b = strlen(name);
+    if (a >= len)
+        a = len - 1;
+    if (b >= len - a)
+        b = len - a - 1;
+    memcpy(what, prefix, a);
+    memcpy(what + a, name, b);
+    what[a + b] = 0;
+}
+
 static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err)
 {
     const pb_op_t *op = c->op;
@@ -165,7 +186,7 @@ static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err
         const pb_opt_spec_t *sp = &op->options[idx];
         pb_optval_t *ov = &c->opt[idx];
         char arg[64];
-        snprintf(arg, sizeof arg, "options.%s", sp->name);
+        join(arg, sizeof arg, "options.", sp->name);
         if (ov->given)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "option %s given twice", sp->name);
         ov->given = true;
@@ -275,7 +296,7 @@ static int parse_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *m
                               k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
                               k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
         char what[64];
-        snprintf(what, sizeof what, "inputs.%s", op->inputs[idx].name);
+        join(what, sizeof what, "inputs.", op->inputs[idx].name);
         if (c->in[idx].storage)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "input %s given twice", op->inputs[idx].name);
         if ((rc = pb_tensor_decode(&in->via.map.ptr[i].val, msg, what, &c->in[idx], err)))
@@ -284,7 +305,7 @@ static int parse_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *m
     int first = -1;
     for (int i = 0; i < op->ninputs; i++) {
         char what[64];
-        snprintf(what, sizeof what, "inputs.%s", op->inputs[i].name);
+        join(what, sizeof what, "inputs.", op->inputs[i].name);
         if (c->in[i].storage == NULL) {
             if (op->inputs[i].required)
                 return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "missing required input %s of %s",
@@ -894,7 +915,7 @@ static int parse_cotangents(pb_req_t *r, const pb_tape_t *t, const msgpack_objec
                               k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
                               k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
         char what[64];
-        snprintf(what, sizeof what, "cotangents.%s", op->outputs[idx]);
+        join(what, sizeof what, "cotangents.", op->outputs[idx]);
         if (r->cot[idx].storage)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "cotangent %s given twice", op->outputs[idx]);
         int rc = pb_tensor_decode(&cots->via.map.ptr[i].val, msg, what, &r->cot[idx], err);
@@ -1069,14 +1090,13 @@ static void reply_early(pb_conn_t *c, uint32_t msgid, int code, const char *fmt,
 void pb_rpc_message(pb_conn_t *c, pb_storage_t *msg, bool late)
 {
     pb_server_t *s = c->srv;
-    msgpack_unpacked up;
-    msgpack_unpacked_init(&up);
+    msgpack_object root;
     size_t off = 0;
-    if (msgpack_unpack_next(&up, msg->ptr, msg->size, &off) != MSGPACK_UNPACK_SUCCESS) {
+    if (msgpack_unpack(msg->ptr, msg->size, &off, &c->zone, &root) != MSGPACK_UNPACK_SUCCESS) {
         reply_early(c, 0, PB_EINVALID_REQUEST, "%s", "the message could not be decoded");
         goto out;
     }
-    const msgpack_object *m = &up.data;
+    const msgpack_object *m = &root;
     if (m->type != MSGPACK_OBJECT_ARRAY || m->via.array.size < 3 ||
         m->via.array.ptr[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER) {
         reply_early(c, 0, PB_EINVALID_REQUEST, "%s",
@@ -1142,5 +1162,5 @@ void pb_rpc_message(pb_conn_t *c, pb_storage_t *msg, bool late)
     }
     found->fn(r, &pa->via.array.ptr[0], msg);
 out:
-    msgpack_unpacked_destroy(&up);
+    msgpack_zone_clear(&c->zone);
 }

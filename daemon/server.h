@@ -52,6 +52,7 @@ typedef struct pb_conn {
     size_t ntapes;                 /* tapes created here and still held */
     pb_tape_t *tapes;              /* their list */
     msgpack_sbuffer obuf;          /* small replies waiting for the flush */
+    msgpack_zone zone;             /* objects of the message being served */
     size_t pending_write;          /* bytes handed to uv_write, not done */
     size_t drain_left;             /* on SIGTERM: bytes still served normally */
 } pb_conn_t;
