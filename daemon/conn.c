@@ -284,7 +284,9 @@ static void on_write(uv_write_t *w, int status)
         pb_conn_close(c);
     else if (!c->closing && c->paused && !blocked(c))
         pb_conn_process(c);
+    pb_server_t *s = c->srv;
     pb_conn_unref(c);
+    pb_server_maybe_finish(s);
 }
 
 static void write_now(pb_conn_t *c, pb_out_t *o, msgpack_sbuffer *flat)

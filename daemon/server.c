@@ -46,6 +46,7 @@ static void on_drain_timeout(uv_timer_t *t)
     pb_log(PB_LOG_WARNING, "drain timeout: %llu requests still in flight are abandoned",
            (unsigned long long)s->requests_in_flight);
     s->requests_in_flight = 0;
+    s->drain_expired = true;
     pb_server_maybe_finish(s);
 }
 
@@ -160,8 +161,13 @@ void pb_server_maybe_finish(pb_server_t *s)
     for (pb_conn_t *c = s->conns; c; c = c->next)
         if (c->drain_left > 0 && !c->closing)
             return;
-    s->stopped = true;
+    /* Every answer must be out before the connections close: uv_close
+     * would cancel writes still queued. */
     pb_conn_flush_all(s);
+    for (pb_conn_t *c = s->conns; c; c = c->next)
+        if (c->pending_write > 0 && !c->closing && !s->drain_expired)
+            return; /* on_write calls back here */
+    s->stopped = true;
     while (s->conns)
         pb_conn_close(s->conns);
     uv_timer_stop(&s->drain_timer);

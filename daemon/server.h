@@ -75,6 +75,7 @@ typedef struct pb_server {
     bool draining;                 /* admin drain: no new forward calls */
     bool stopping;                 /* SIGTERM or shutdown */
     bool stopped;
+    bool drain_expired;            /* --drain-timeout passed: stop regardless */
     uid_t self_uid;
 } pb_server_t;
 

@@ -891,6 +891,71 @@ static void socket_takeover(void **state)
     assert_int_equal(stop(&d), 0);
 }
 
+/* Past --max-inflight-per-connection the daemon stops reading from the
+ * connection: nothing is dropped, every reply arrives. */
+static void back_pressure(void **state)
+{
+    (void)state;
+    daemon_t d;
+    assert_int_equal(start(&d, "bp.sock", "--max-inflight-per-connection", "2", NULL), 0);
+    pb_client_t *c = conn(&d);
+    fd_t f;
+    random_fd(&f, "f64", "gelu", 29);
+    enum { N = 300 };
+    static uint32_t ids[N];
+    for (int i = 0; i < N; i++)
+        ids[i] = send_fd(c, &f, NULL, NULL, NULL);
+    for (int i = 0; i < N; i++) {
+        pb_reply_t r;
+        assert_int_equal(pb_client_wait(c, ids[i], &r), 0);
+        assert_null(r.error);
+        pb_reply_free(&r);
+    }
+    pb_client_close(c);
+    assert_int_equal(stop(&d), 0);
+}
+
+/* SIGTERM: what was sent before the signal is answered normally, then the
+ * daemon exits 0. */
+static void sigterm_drain(void **state)
+{
+    (void)state;
+    daemon_t d;
+    assert_int_equal(start(&d, "term.sock", NULL), 0);
+    pb_client_t *c = conn(&d);
+    /* A few large forwards (64 MFLOP each) that are still running when the
+     * signal comes. */
+    static double big[256 * 256];
+    for (int i = 0; i < 256 * 256; i++)
+        big[i] = (i % 7) * 0.01;
+    uint32_t ids[4];
+    for (int k = 0; k < 4; k++) {
+        msgpack_packer *pk = pb_client_begin(c, "forward");
+        msgpack_pack_map(pk, 2);
+        pb_pack_kv_str(pk, "op", "fused_dense");
+        pb_pack_str(pk, "inputs");
+        msgpack_pack_map(pk, 2);
+        pb_ctensor_t t = {.dtype = "f64", .rank = 2, .shape = {256, 256}, .data = big, .nbytes = sizeof big};
+        pb_pack_str(pk, "weight");
+        pb_pack_tensor(pk, &t);
+        pb_pack_str(pk, "x");
+        pb_pack_tensor(pk, &t);
+        assert_int_equal(pb_client_send(c, &ids[k]), 0);
+    }
+    kill(d.pid, SIGTERM);
+    for (int k = 0; k < 4; k++) {
+        pb_reply_t r;
+        assert_int_equal(pb_client_wait(c, ids[k], &r), 0);
+        assert_null(r.error);
+        assert_non_null(pb_obj_path(r.result, "outputs.y"));
+        pb_reply_free(&r);
+    }
+    int st;
+    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    pb_client_close(c);
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -927,7 +992,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(two_connections),  cmocka_unit_test(closed_connection_frees),
         cmocka_unit_test(bad_message_isolated), cmocka_unit_test(ttl_expiry),
         cmocka_unit_test(limits),           cmocka_unit_test(shutdown_method),
-        cmocka_unit_test(socket_takeover),
+        cmocka_unit_test(socket_takeover),  cmocka_unit_test(back_pressure),
+        cmocka_unit_test(sigterm_drain),
     };
     return cmocka_run_group_tests_name("e2e.daemon", tests, setup, teardown);
 }
