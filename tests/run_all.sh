@@ -1,6 +1,6 @@
 #!/bin/sh
-# Every test of pullbackd: the suites in a normal build, then again in an
-# ASan+UBSan build.  Run from the repository root.
+# Every test of pullbackd: the suites in a normal build, again in an
+# ASan+UBSan build, and the unit suite under valgrind.
 set -eu
 cd "$(dirname "$0")/.."
 [ -d build ] || meson setup build
@@ -10,3 +10,8 @@ meson test -C build --print-errorlogs
 ninja -C build-asan
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
     meson test -C build-asan --print-errorlogs
+# The unit suite once more under valgrind (memcheck), where it is installed.
+if command -v valgrind >/dev/null; then
+    meson test -C build --suite unit --print-errorlogs \
+        --wrap='valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite -q'
+fi

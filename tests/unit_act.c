@@ -86,6 +86,13 @@ static void values_match_textbook(void **state)
 static void negative_tails_accurate(void **state)
 {
     (void)state;
+    /* The references need long double beyond double; valgrind runs x87
+     * arithmetic in double, where this comparison means nothing. */
+    volatile long double one = 1, tiny = 0x1p-60L;
+    if (one + tiny == one) {
+        print_message("long double has no more precision than double here (valgrind?): skipped\n");
+        skip();
+    }
     for (int i = 1; i <= 60; i++) {
         long double z = -0.5L * i;
         long double u = sqrtl(2 / (long double)M_PI) * (z + 0.044715L * z * z * z);
