@@ -956,6 +956,53 @@ static void sigterm_drain(void **state)
     pb_client_close(c);
 }
 
+/* drain: no new forward calls, but reverse and release are still served. */
+static void drain_method(void **state)
+{
+    (void)state;
+    daemon_t d;
+    assert_int_equal(start(&d, "drain.sock", NULL), 0);
+    pb_client_t *c = conn(&d);
+    fd_t f;
+    random_fd(&f, "f64", "gelu", 31);
+    const char *const wrt[] = {"x", NULL};
+    pb_reply_t r;
+    uint64_t t1, t2;
+    assert_int_equal(pb_client_wait(c, send_fd(c, &f, wrt, NULL, NULL), &r), 0);
+    assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape"), &t1), 0);
+    pb_reply_free(&r);
+    assert_int_equal(pb_client_wait(c, send_fd(c, &f, wrt, NULL, NULL), &r), 0);
+    assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape"), &t2), 0);
+    pb_reply_free(&r);
+    simple(c, "drain", &r);
+    if (r.error) { /* not root and not the daemon's uid */
+        assert_string_equal(pb_reply_code(&r), "permission_denied");
+        pb_reply_free(&r);
+    } else {
+        pb_reply_free(&r);
+        expect_code(c, send_fd(c, &f, NULL, NULL, NULL), "shutting_down");
+        expect_code(c, send_fd(c, &f, wrt, NULL, NULL), "shutting_down");
+        double yb[6] = {1, 2, 3, 4, 5, 6};
+        assert_int_equal(pb_client_wait(c, send_reverse(c, t1, "f64", yb, 3, 2, false), &r), 0);
+        assert_null(r.error);
+        pb_reply_free(&r);
+        msgpack_packer *pk = pb_client_begin(c, "release");
+        msgpack_pack_map(pk, 1);
+        pb_pack_str(pk, "tape");
+        msgpack_pack_uint64(pk, t2);
+        assert_int_equal(pb_client_call(c, &r), 0);
+        bool rel = false;
+        assert_int_equal(pb_obj_bool(pb_obj_get(r.result, "released"), &rel), 0);
+        assert_true(rel);
+        pb_reply_free(&r);
+        simple(c, "hello", &r);
+        assert_null(r.error);
+        pb_reply_free(&r);
+    }
+    pb_client_close(c);
+    assert_int_equal(stop(&d), 0);
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -993,7 +1040,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(bad_message_isolated), cmocka_unit_test(ttl_expiry),
         cmocka_unit_test(limits),           cmocka_unit_test(shutdown_method),
         cmocka_unit_test(socket_takeover),  cmocka_unit_test(back_pressure),
-        cmocka_unit_test(sigterm_drain),
+        cmocka_unit_test(sigterm_drain),    cmocka_unit_test(drain_method),
     };
     return cmocka_run_group_tests_name("e2e.daemon", tests, setup, teardown);
 }
