@@ -1003,6 +1003,67 @@ static void drain_method(void **state)
     assert_int_equal(stop(&d), 0);
 }
 
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A slow request on one connection does not stall another connection,
+ * nor later small requests on its own connection. */
+static void slow_request_isolated(void **state)
+{
+    (void)state;
+    pb_client_t *a = conn(&main_daemon), *b = conn(&main_daemon);
+    /* W 1024×1024 · x 1024×1024 in f64: about 2 GFLOP, 0.1 s or more. */
+    enum { S = 1024 };
+    double *big = malloc(sizeof(double) * S * S);
+    for (int i = 0; i < S * S; i++)
+        big[i] = (i % 11) * 0.01;
+    msgpack_packer *pk = pb_client_begin(a, "forward");
+    msgpack_pack_map(pk, 2);
+    pb_pack_kv_str(pk, "op", "fused_dense");
+    pb_pack_str(pk, "inputs");
+    msgpack_pack_map(pk, 2);
+    pb_ctensor_t t = {.dtype = "f64", .rank = 2, .shape = {S, S}, .data = big, .nbytes = sizeof(double) * S * S};
+    pb_pack_str(pk, "weight");
+    pb_pack_tensor(pk, &t);
+    pb_pack_str(pk, "x");
+    pb_pack_tensor(pk, &t);
+    uint32_t slow;
+    double t0 = now_s();
+    assert_int_equal(pb_client_send(a, &slow), 0);
+    /* Meanwhile: small requests on b and on a itself. */
+    double worst = 0;
+    for (int i = 0; i < 5; i++) {
+        pb_reply_t r;
+        double t1 = now_s();
+        simple(b, "hello", &r);
+        worst = fmax(worst, now_s() - t1);
+        assert_null(r.error);
+        pb_reply_free(&r);
+    }
+    pb_reply_t r;
+    double t1 = now_s();
+    simple(a, "hello", &r); /* answered before the slow forward: replies need not be in order */
+    double own = now_s() - t1;
+    pb_reply_free(&r);
+    assert_int_equal(pb_client_wait(a, slow, &r), 0);
+    double slow_s = now_s() - t0;
+    assert_null(r.error);
+    pb_reply_free(&r);
+    /* Only meaningful when the slow one really was slow. */
+    if (slow_s > 0.05) {
+        if (worst > slow_s / 2 || own > slow_s / 2)
+            fail_msg("small requests took %.3f s (other connection) and %.3f s (same connection) "
+                     "while a %.3f s request ran", worst, own, slow_s);
+    }
+    free(big);
+    pb_client_close(a);
+    pb_client_close(b);
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -1041,6 +1102,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(limits),           cmocka_unit_test(shutdown_method),
         cmocka_unit_test(socket_takeover),  cmocka_unit_test(back_pressure),
         cmocka_unit_test(sigterm_drain),    cmocka_unit_test(drain_method),
+        cmocka_unit_test(slow_request_isolated),
     };
     return cmocka_run_group_tests_name("e2e.daemon", tests, setup, teardown);
 }
