@@ -160,8 +160,13 @@ static int reverse_cpu(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor
     char o = src->storage ? src->order : cot[0].order;
     if (ym->rank == 1)
         o = cot[0].order; /* vectors have no order */
-    if ((rc = pb_tensor_to_order(&dz, &cot[0], o)))
+    /* ȳ in the source's order is read as it is, so dz costs one pass;
+     * otherwise it is reordered first and dz computed in place. */
+    bool same = cot[0].order == o || ym->rank == 1;
+    rc = same ? pb_tensor_alloc(&dz, d, ym->rank, ym->shape, o, false) : pb_tensor_to_order(&dz, &cot[0], o);
+    if (rc)
         goto fail;
+    const void *yb = same ? pb_tensor_data(&cot[0]) : pb_tensor_data(&dz);
     if (t->wrt & (1u << IN_B)) {
         bsum = calloc(out ? out : 1, sizeof *bsum);
         if (bsum == NULL) {
@@ -172,9 +177,9 @@ static int reverse_cpu(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor
     char po = ym->rank == 1 ? 'F' : o;
     const void *sp = src->storage ? pb_tensor_data(src) : NULL;
     if (d == PB_F32)
-        dz_pass_f(act, pb_tensor_data(&dz), sp, bsum, out, batch, po);
+        dz_pass_f(act, pb_tensor_data(&dz), yb, sp, bsum, out, batch, po);
     else
-        dz_pass_(act, pb_tensor_data(&dz), sp, bsum, out, batch, po);
+        dz_pass_(act, pb_tensor_data(&dz), yb, sp, bsum, out, batch, po);
 
     pb_mview_t dzv = pb_mview_of(&dz);
     if (t->wrt & (1u << IN_W)) /* W̄ = dz·xᵀ */

@@ -49,19 +49,20 @@ PB_KERNEL_CLONES static void FD_FN(bias_act)(int act, T *restrict y, T *restrict
 #undef FD_LOOP
 }
 
-/* dz = ȳ ⊙ act′(s) in place over ȳ's copy, with b̄ += row sums of dz
- * (bsum may be NULL).  dz, s in the same order. */
-PB_KERNEL_CLONES static void FD_FN(dz_pass)(int act, T *restrict dz, const T *restrict s, double *restrict bsum, size_t out,
-                           size_t batch, char order)
+/* dz = ȳ ⊙ act′(s), with b̄ += row sums of dz (bsum may be NULL).  dz, ȳ
+ * and s in the same order; dz may be ȳ itself (in place). */
+PB_KERNEL_CLONES static void FD_FN(dz_pass)(int act, T *dz, const T *yb, const T *restrict s, double *restrict bsum,
+                                            size_t out, size_t batch, char order)
 {
 #define FD_LOOP(A)                                                                    \
     if (order == 'C') {                                                               \
         for (size_t i = 0; i < out; i++) {                                            \
             T *r = dz + i * batch;                                                    \
+            const T *g = yb + i * batch;                                              \
             const T *sr = s ? s + i * batch : NULL;                                   \
             double acc = 0;                                                           \
             PB_OMP_SIMD_SUM(acc) for (size_t j = 0; j < batch; j++) {                                      \
-                T v = sr ? r[j] * FD_DERIV(A, sr[j]) : r[j];                          \
+                T v = sr ? g[j] * FD_DERIV(A, sr[j]) : g[j];                          \
                 r[j] = v;                                                             \
                 acc += v;                                                             \
             }                                                                         \
@@ -71,9 +72,10 @@ PB_KERNEL_CLONES static void FD_FN(dz_pass)(int act, T *restrict dz, const T *re
     } else {                                                                          \
         for (size_t j = 0; j < batch; j++) {                                          \
             T *c = dz + j * out;                                                      \
+            const T *g = yb + j * out;                                                \
             const T *sc = s ? s + j * out : NULL;                                     \
             PB_OMP_SIMD for (size_t i = 0; i < out; i++) {                                        \
-                T v = sc ? c[i] * FD_DERIV(A, sc[i]) : c[i];                          \
+                T v = sc ? g[i] * FD_DERIV(A, sc[i]) : g[i];                          \
                 c[i] = v;                                                             \
                 if (bsum)                                                             \
                     bsum[i] += v;                                                     \

@@ -192,7 +192,9 @@ static void run_case(fd_case_t *k)
 
     /* Reverse. */
     pb_tensor_t cot[PB_MAX_IO] = {{0}}, grad[PB_MAX_IO + 2] = {{0}};
-    make(&cot[0], k->d, k->Yb, k->out, k->batch, k->oy == 'C' ? 'F' : 'C'); /* the other order on purpose */
+    /* ȳ in the output's order for odd wrt sets, in the other order (so it is
+     * reordered first) for even ones. */
+    make(&cot[0], k->d, k->Yb, k->out, k->batch, (k->wrt & 1) ? k->oy : k->oy == 'C' ? 'F' : 'C');
     pb_warnings_t warn = {0};
     assert_int_equal(pb_op_run_reverse(&tape, cot, grad, k->oy, &warn, &err), 0);
 

@@ -135,6 +135,6 @@ int main(int argc, char **argv)
     const size_t shapes[3][3] = {{1024, 1024, 256}, {4096, 4096, 64}, {256, 256, 32}};
     for (int d = 0; d < 2; d++)
         for (int s = quick ? 2 : 0; s < 3; s++)
-            bench(d ? PB_F64 : PB_F32, shapes[s][0], shapes[s][1], shapes[s][2], quick ? 1 : s == 2 ? 15 : 5);
+            bench(d ? PB_F64 : PB_F32, shapes[s][0], shapes[s][1], shapes[s][2], quick ? 1 : s == 2 ? 15 : 9);
     return 0;
 }
