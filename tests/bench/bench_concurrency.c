@@ -49,14 +49,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_daemon.h"
 #include "pullbackd.h"
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static void die(const char *what)
 {
@@ -93,70 +88,8 @@ static uint64_t pid_cpu_ns(pid_t pid)
 
 /* ---- the daemon (as in bench_socket.c) ---------------------------------- */
 
-typedef struct daemon {
-    pid_t pid;
-    char dir[64];
-    char sock[128];
-} daemon_t;
 
-static int daemon_start(daemon_t *d, const char *bin, const char *workers)
-{
-    snprintf(d->dir, sizeof d->dir, "/tmp/pbbench.XXXXXX");
-    if (mkdtemp(d->dir) == NULL)
-        return -errno;
-    snprintf(d->sock, sizeof d->sock, "%s/pullbackd.sock", d->dir);
-    const char *argv[10] = {bin, "--socket", d->sock, "--log-level", "warning"};
-    int n = 5;
-    if (workers) {
-        argv[n++] = "--workers";
-        argv[n++] = workers;
-    }
-    argv[n] = NULL;
-    d->pid = fork();
-    if (d->pid < 0)
-        return -errno;
-    if (d->pid == 0) {
-        execv(bin, (char *const *)argv);
-        fprintf(stderr, "bench: cannot run %s: %s\n", bin, strerror(errno));
-        _exit(127);
-    }
-    uint64_t deadline = now_ns() + 10000000000ull;
-    while (now_ns() < deadline) {
-        int st;
-        if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
-            d->pid = 0;
-            return -ECHILD;
-        }
-        pb_client_t *c;
-        if (pb_client_connect(d->sock, &c) == 0) {
-            pb_client_close(c);
-            return 0;
-        }
-        usleep(5000);
-    }
-    return -ETIMEDOUT;
-}
 
-static void daemon_stop(daemon_t *d)
-{
-    if (d->pid > 0) {
-        kill(d->pid, SIGTERM);
-        uint64_t deadline = now_ns() + 10000000000ull;
-        int st;
-        while (waitpid(d->pid, &st, WNOHANG) == 0) {
-            if (now_ns() > deadline) {
-                fprintf(stderr, "bench_concurrency: daemon ignored SIGTERM for 10 s; killing it\n");
-                kill(d->pid, SIGKILL);
-                waitpid(d->pid, &st, 0);
-                break;
-            }
-            usleep(5000);
-        }
-        d->pid = 0;
-    }
-    unlink(d->sock);
-    rmdir(d->dir);
-}
 
 /* ---- the request -------------------------------------------------------- */
 
@@ -295,7 +228,8 @@ typedef struct outcome {
 static outcome_t measure(const char *bin, const char *workers, int reps)
 {
     daemon_t d = {0};
-    int rc = daemon_start(&d, bin, workers);
+    const char *extra[] = {workers ? "--workers" : NULL, workers, NULL};
+    int rc = daemon_start(&d, bin, extra);
     if (rc < 0) {
         fprintf(stderr, "bench_concurrency: cannot start %s: %s\n", bin, strerror(-rc));
         daemon_stop(&d);

@@ -67,6 +67,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_daemon.h"
 #include "pullbackd.h"
 
 #define TARGET_HELLO 150000.0
@@ -90,12 +91,6 @@ static double ratio(double a, double b)
     return b > 0 ? a / b : NAN;
 }
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static void sleep_until(uint64_t t)
 {
@@ -147,93 +142,10 @@ static void die(const char *what)
 
 /* ---- the daemon --------------------------------------------------------- */
 
-typedef struct daemon {
-    pid_t pid;
-    char dir[64];
-    char sock[128];
-} daemon_t;
 
-static int unix_connect(const char *path)
-{
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return -errno;
-    struct sockaddr_un a = {.sun_family = AF_UNIX};
-    if (strlen(path) >= sizeof a.sun_path) {
-        close(fd);
-        return -ENAMETOOLONG;
-    }
-    memcpy(a.sun_path, path, strlen(path) + 1);
-    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
-        int e = errno;
-        close(fd);
-        return -e;
-    }
-    return fd;
-}
 
 /* Start bin on a socket in a new temp directory; 0 once a connect works. */
-static int daemon_start(daemon_t *d, const char *bin, const char *const *extra)
-{
-    snprintf(d->dir, sizeof d->dir, "/tmp/pbbench.XXXXXX");
-    if (mkdtemp(d->dir) == NULL)
-        return -errno;
-    snprintf(d->sock, sizeof d->sock, "%s/pullbackd.sock", d->dir);
-    const char *argv[24];
-    int n = 0;
-    argv[n++] = bin;
-    argv[n++] = "--socket";
-    argv[n++] = d->sock;
-    argv[n++] = "--log-level";
-    argv[n++] = "warning";
-    for (int i = 0; extra && extra[i] && n < 23; i++)
-        argv[n++] = extra[i];
-    argv[n] = NULL;
-    d->pid = fork();
-    if (d->pid < 0)
-        return -errno;
-    if (d->pid == 0) {
-        execv(bin, (char *const *)argv);
-        fprintf(stderr, "bench: cannot run %s: %s\n", bin, strerror(errno));
-        _exit(127);
-    }
-    uint64_t deadline = now_ns() + 10000000000ull;
-    while (now_ns() < deadline) {
-        int st;
-        if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
-            d->pid = 0;
-            return -ECHILD;
-        }
-        int fd = unix_connect(d->sock);
-        if (fd >= 0) {
-            close(fd);
-            return 0;
-        }
-        usleep(5000);
-    }
-    return -ETIMEDOUT;
-}
 
-static void daemon_stop(daemon_t *d)
-{
-    if (d->pid > 0) {
-        kill(d->pid, SIGTERM);
-        uint64_t deadline = now_ns() + 10000000000ull;
-        int st;
-        while (waitpid(d->pid, &st, WNOHANG) == 0) {
-            if (now_ns() > deadline) {
-                fprintf(stderr, "bench_socket: daemon ignored SIGTERM for 10 s; killing it\n");
-                kill(d->pid, SIGKILL);
-                waitpid(d->pid, &st, 0);
-                break;
-            }
-            usleep(5000);
-        }
-        d->pid = 0;
-    }
-    unlink(d->sock);
-    rmdir(d->dir);
-}
 
 /* ---- msgpack by hand (the hot loop) ------------------------------------- */
 
