@@ -21,7 +21,11 @@
 
 #include <math.h>
 
+#if defined(__GNUC__) && !defined(__clang__)
 #define PB_SIMD __attribute__((simd("notinbranch")))
+#else
+#define PB_SIMD /* clang: no libmvec declarations; the loops stay scalar */
+#endif
 /* Loops over activations: vectorise them, and build an AVX2 clone picked
  * at run time where the CPU has it. */
 #define PB_OMP_SIMD _Pragma("omp simd")

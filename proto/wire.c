@@ -103,7 +103,9 @@ int pb_scan_feed(pb_scan_t *s, const uint8_t *buf, size_t len, size_t limit, siz
                 return fail(s, "a container declares more elements than bytes remain");
             if (s->elements + elems > PB_WIRE_MAX_ELEMENTS)
                 return fail(s, "message has too many elements");
-            if (elems > 0 && s->depth >= PB_WIRE_MAX_DEPTH)
+            /* msgpack-c takes a stack slot for every container, empty
+             * ones too: 32 containers inside 32 is one too many for it. */
+            if (s->depth >= PB_WIRE_MAX_DEPTH)
                 return fail(s, "nesting deeper than 32");
         }
         if (off + hdr + body > len)

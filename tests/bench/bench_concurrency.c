@@ -53,7 +53,7 @@
 #include "pullbackd.h"
 
 
-static void die(const char *what)
+static _Noreturn void die(const char *what)
 {
     fprintf(stderr, "bench_concurrency: %s\n", what);
     exit(1);

@@ -134,7 +134,7 @@ static uint64_t pid_cpu_ns(pid_t pid)
     return sum;
 }
 
-static void die(const char *what)
+static _Noreturn void die(const char *what)
 {
     fprintf(stderr, "bench_socket: %s\n", what);
     exit(1);
