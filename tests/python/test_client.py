@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -26,6 +25,9 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "clients", "python"))
 import pullbackd  # noqa: E402
 from pullbackd import PullbackError  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from daemon_case import DaemonCase  # noqa: E402
 
 TOL = {np.float64: dict(rtol=1e-12, atol=1e-13), np.float32: dict(rtol=1e-5, atol=1e-6)}
 
@@ -226,51 +228,11 @@ class FakeDaemonTest(unittest.TestCase):
         self.assertEqual(sum(1 for s in sent if s[0] == 2), 1)
 
 
-def _wait_for_socket(path, proc, timeout=10):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pullbackd exited with {proc.returncode}")
-        with socket.socket(socket.AF_UNIX) as s:
-            try:
-                s.connect(path)
-                return
-            except OSError:
-                time.sleep(0.01)
-    raise RuntimeError("pullbackd did not accept connections")
-
-
-class DaemonTest(unittest.TestCase):
+class DaemonTest(DaemonCase):
     """The client against a real daemon on a temporary socket."""
 
     MAX_TAPES = 64
-
-    @classmethod
-    def setUpClass(cls):
-        cls.dir = tempfile.mkdtemp(prefix="pbpy")
-        cls.path = os.path.join(cls.dir, "pullbackd.sock")
-        binary = os.environ.get("PULLBACKD_BIN", "build/daemon/pullbackd")
-        cls.proc = subprocess.Popen([binary, "--socket", cls.path, "--workers", "2", "--log-level", "warning",
-                                     "--max-tapes-per-connection", str(cls.MAX_TAPES)])
-        try:
-            _wait_for_socket(cls.path, cls.proc)
-        except BaseException:
-            cls.proc.kill()
-            cls.proc.wait()
-            shutil.rmtree(cls.dir)
-            raise
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.proc.terminate()
-        try:
-            rc = cls.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            cls.proc.kill()
-            rc = cls.proc.wait()
-        shutil.rmtree(cls.dir)
-        if rc != 0:
-            raise AssertionError(f"pullbackd exited with {rc} on SIGTERM, not 0")
+    DAEMON_ARGS = ["--max-tapes-per-connection", MAX_TAPES]
 
     def setUp(self):
         self.c = pullbackd.Client(self.path, timeout=20)
