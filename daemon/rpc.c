@@ -169,6 +169,22 @@ static void join(char *what, size_t len, const char *prefix, const char *name)
     what[a + b] = 0;
 }
 
+/* A list of axis numbers; their meaning (a permutation, distinct, < rank)
+ * is the op's to check against the shapes.  0, or -1 when malformed. */
+static int parse_axes(const msgpack_object *v, int *n, signed char *ax)
+{
+    if (v->type != MSGPACK_OBJECT_ARRAY || v->via.array.size > PB_MAX_RANK)
+        return -1;
+    for (uint32_t i = 0; i < v->via.array.size; i++) {
+        const msgpack_object *e = &v->via.array.ptr[i];
+        if (e->type != MSGPACK_OBJECT_POSITIVE_INTEGER || e->via.u64 >= PB_MAX_RANK)
+            return -1;
+        ax[i] = (signed char)e->via.u64;
+    }
+    *n = (int)v->via.array.size;
+    return 0;
+}
+
 static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err)
 {
     const pb_op_t *op = c->op;
@@ -231,9 +247,30 @@ static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err
             if (pb__obj_number(v, &ov->re))
                 break;
             if (v->type == MSGPACK_OBJECT_ARRAY && v->via.array.size == 2 &&
-                pb__obj_number(&v->via.array.ptr[0], &ov->re) && pb__obj_number(&v->via.array.ptr[1], &ov->im))
+                pb__obj_number(&v->via.array.ptr[0], &ov->re) && pb__obj_number(&v->via.array.ptr[1], &ov->im)) {
+                ov->cplx = true;
                 break;
+            }
             return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a number or [re, im]", sp->name);
+        case PB_OPT_AXES:
+            if (parse_axes(v, &ov->nax[0], ov->ax[0]))
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg,
+                                  "%s must be a list of at most 16 axis numbers 0..15", sp->name);
+            break;
+        case PB_OPT_AXES2:
+            if (v->type != MSGPACK_OBJECT_ARRAY || v->via.array.size != 2 ||
+                parse_axes(&v->via.array.ptr[0], &ov->nax[0], ov->ax[0]) ||
+                parse_axes(&v->via.array.ptr[1], &ov->nax[1], ov->ax[1]))
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg,
+                                  "%s must be two lists of axis numbers 0..15, as [[0, 2], [1]]", sp->name);
+            break;
+        case PB_OPT_TEXT:
+            if (v->type != MSGPACK_OBJECT_STR || v->via.str.size > PB_OPT_TEXT_MAX)
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a string of at most %d bytes",
+                                  sp->name, PB_OPT_TEXT_MAX);
+            memcpy(ov->text, v->via.str.ptr, v->via.str.size);
+            ov->text[v->via.str.size] = 0;
+            break;
         }
     }
     return 0;
@@ -327,11 +364,14 @@ static int parse_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *m
     if ((rc = parse_options(c, pb__obj_get(params, "options"), err)))
         return rc;
     pb_call_defaults(c);
-    for (int i = 0; i < op->noptions; i++)
+    for (int i = 0; i < op->noptions; i++) {
+        char arg[64];
+        join(arg, sizeof arg, "options.", op->options[i].name);
         if (op->options[i].type == PB_OPT_SCALAR && c->opt[i].im != 0 && !pb_dtype_is_complex(c->dtype))
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, op->options[i].name,
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, arg,
                               "%s has a nonzero imaginary part but the inputs are real (%s)", op->options[i].name,
                               pb_dtype_name(c->dtype));
+    }
 
     c->device = s->cfg.device;
     const msgpack_object *dev = pb__obj_get(params, "device");
@@ -514,7 +554,7 @@ static void enc_hello(pb_req_t *r, pb_out_t *o)
     msgpack_pack_uint64(&o->pk, cfg->max_inflight_per_connection);
 }
 
-static const char *const opt_type_names[] = {"str", "bool", "int", "float", "scalar"};
+static const char *const opt_type_names[] = {"str", "bool", "int", "float", "scalar", "axes", "axes2", "str"};
 
 static void enc_ops(pb_req_t *r, pb_out_t *o)
 {
@@ -554,6 +594,9 @@ static void enc_ops(pb_req_t *r, pb_out_t *o)
             case PB_OPT_INT: msgpack_pack_int64(&o->pk, (int64_t)sp->def_re); break;
             case PB_OPT_FLOAT:
             case PB_OPT_SCALAR: msgpack_pack_double(&o->pk, sp->def_re); break;
+            case PB_OPT_AXES:
+            case PB_OPT_AXES2:
+            case PB_OPT_TEXT: msgpack_pack_nil(&o->pk); break;
             }
             if (sp->values) {
                 int n = 0;

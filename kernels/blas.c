@@ -3,6 +3,8 @@
 #include <cblas.h>
 #include <complex.h>
 
+#include "op.h"
+
 pb_mview_t pb_mview_of(const pb_tensor_t *t)
 {
     if (t->rank == 1)
@@ -39,6 +41,39 @@ void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta
     case PB_C128: {
         double _Complex al = alpha, be = beta;
         cblas_zgemm(layout, ta, tb, m, n, k, &al, a.p, ld(a), b.p, ld(b), &be, c.p, ld(c));
+        break;
+    }
+    default:
+        break;
+    }
+}
+
+static CBLAS_TRANSPOSE tr(char t)
+{
+    return t == 'N' ? CblasNoTrans : t == 'T' ? CblasTrans : CblasConjTrans;
+}
+
+void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a, int lda,
+                const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
+{
+    if (m == 0 || n == 0)
+        return;
+    CBLAS_TRANSPOSE A = tr(ta), B = tr(tb);
+    switch (d) {
+    case PB_F32:
+        cblas_sgemm(CblasColMajor, A, B, m, n, k, (float)alpha.re, a, lda, b, ldb, (float)beta.re, c, ldc);
+        break;
+    case PB_F64:
+        cblas_dgemm(CblasColMajor, A, B, m, n, k, alpha.re, a, lda, b, ldb, beta.re, c, ldc);
+        break;
+    case PB_C64: {
+        float _Complex al = CMPLXF((float)alpha.re, (float)alpha.im), be = CMPLXF((float)beta.re, (float)beta.im);
+        cblas_cgemm(CblasColMajor, A, B, m, n, k, &al, a, lda, b, ldb, &be, c, ldc);
+        break;
+    }
+    case PB_C128: {
+        double _Complex al = CMPLX(alpha.re, alpha.im), be = CMPLX(beta.re, beta.im);
+        cblas_zgemm(CblasColMajor, A, B, m, n, k, &al, a, lda, b, ldb, &be, c, ldc);
         break;
     }
     default:

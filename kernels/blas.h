@@ -29,6 +29,12 @@ pb_mview_t pb_mview_of(const pb_tensor_t *t);
 /* c = alpha·a·b + beta·c for views of dtype d (alpha, beta real). */
 void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta, pb_mview_t c);
 
+/* Column-major GEMM on raw operands: c = alpha·op(a)·op(b) + beta·c, op
+ * 'N', 'T' or 'C' (conjugate transpose), complex alpha and beta. */
+struct pb_scalar;
+void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, struct pb_scalar alpha, const void *a, int lda,
+                const void *b, int ldb, struct pb_scalar beta, void *c, int ldc);
+
 /* Keep BLAS single-threaded: the worker pool supplies the parallelism. */
 void pb_blas_init_threads(int n);
 

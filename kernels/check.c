@@ -83,6 +83,12 @@ static int loss_at(const pb_call_t *c, pb_dtype_t hd, int k, double t, const pb_
     h.dtype = hd;
     h.order = 'C';
     memcpy(h.opt, c->opt, sizeof h.opt);
+    if (k >= c->op->ninputs) { /* alpha or beta moved by t·v (v rank 0) */
+        pb_optval_t *o = &h.opt[pb_op_option_index(c->op, c->op->wrt_names[k], strlen(c->op->wrt_names[k]))];
+        o->re += t * comp_get(v, 0);
+        if (pb_dtype_is_complex(v->dtype))
+            o->im += t * comp_get(v, 1);
+    }
     int rc = 0;
     for (int i = 0; i < c->op->ninputs && rc == 0; i++)
         if (c->in[i].storage)
@@ -126,19 +132,27 @@ int pb_check_run(pb_call_t *c, uint64_t seed, double *max_rel, double per_input[
         rc = random_like(&cot[o], &c->out_meta[o], 'C', &s);
     if (rc == 0)
         rc = pb_op_run_reverse(&tape, cot, grad, 'C', &warn, err);
-    for (int k = 0; rc == 0 && k < c->op->ninputs; k++) {
+    for (int k = 0; rc == 0 && k < c->op->nwrt; k++) {
         per_input[k] = 0;
         if (!(c->wrt & (1u << k)))
             continue;
         pb_tensor_t gc = {0};
-        if ((rc = random_like(&dir, &c->in[k], c->in[k].order, &s)) ||
-            (rc = pb_tensor_to_order(&gc, &grad[k], c->in[k].order))) {
+        const pb_tensor_t *x = k < c->op->ninputs ? &c->in[k] : &grad[k];
+        if ((rc = random_like(&dir, x, x->order, &s)) || (rc = pb_tensor_to_order(&gc, &grad[k], x->order))) {
             pb_tensor_clear(&gc);
             break;
         }
         double amax = 0;
-        for (size_t i = 0; i < ncomp(&c->in[k]); i++)
-            amax = fmax(amax, fabs(comp_get(&c->in[k], i)));
+        if (k >= c->op->ninputs) {
+            /* a scalar: a real one (sent as a number) moves along the reals */
+            const pb_optval_t *o =
+                &c->opt[pb_op_option_index(c->op, c->op->wrt_names[k], strlen(c->op->wrt_names[k]))];
+            if (pb_dtype_is_complex(dir.dtype) && !o->cplx)
+                comp_set(&dir, 1, 0.0);
+            amax = hypot(o->re, o->im);
+        } else
+            for (size_t i = 0; i < ncomp(x); i++)
+                amax = fmax(amax, fabs(comp_get(x, i)));
         double h = 1e-3 * fmax(1.0, amax), l[4];
         const double ts[4] = {h, -h, 2 * h, -2 * h};
         for (int j = 0; j < 4 && rc == 0; j++)

@@ -76,20 +76,6 @@ static int validate(pb_call_t *c, pb_err_t *err)
     return 0;
 }
 
-/* A tensor the tape may keep: a reference when it already owns exactly its
- * bytes on the heap, else a copy (never a pointer into a message). */
-static int keep(pb_tensor_t *dst, const pb_tensor_t *src)
-{
-    pb_tensor_ref(dst, src);
-    const pb_storage_t *s = src->storage;
-    if (s->kind == PB_STORAGE_HEAP && src->offset == 0 && s->size == pb_tensor_bytes(src))
-        return 0;
-    int rc = pb_tensor_make_owned(dst);
-    if (rc)
-        pb_tensor_clear(dst);
-    return rc;
-}
-
 static int forward_cpu(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
 {
     const pb_tensor_t *w = &c->in[IN_W], *x = &c->in[IN_X], *b = &c->in[IN_B];
@@ -120,9 +106,9 @@ static int forward_cpu(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
             tape->saved[SAVED_SRC] = z;
             z = (pb_tensor_t){0};
         }
-        if ((c->wrt & (1u << IN_W)) && (rc = keep(&tape->saved[SAVED_X], x)))
+        if ((c->wrt & (1u << IN_W)) && (rc = pb_tape_keep(&tape->saved[SAVED_X], x)))
             goto fail;
-        if ((c->wrt & (1u << IN_X)) && (rc = keep(&tape->saved[SAVED_W], w)))
+        if ((c->wrt & (1u << IN_X)) && (rc = pb_tape_keep(&tape->saved[SAVED_W], w)))
             goto fail;
     }
     c->out[0] = y;

@@ -4,9 +4,9 @@
 
 #include "act.h"
 
-extern const pb_op_t pb_op_fused_dense;
+extern const pb_op_t pb_op_fused_dense, pb_op_tensorcontract, pb_op_tensoradd, pb_op_tensortrace;
 
-const pb_op_t *const pb_ops[] = {&pb_op_fused_dense};
+const pb_op_t *const pb_ops[] = {&pb_op_fused_dense, &pb_op_tensorcontract, &pb_op_tensoradd, &pb_op_tensortrace};
 const int pb_nops = (int)(sizeof pb_ops / sizeof pb_ops[0]);
 
 const char *const pb_act_names[PB_NACTS + 1] = {
@@ -116,6 +116,18 @@ void pb_tapedata_clear(pb_tapedata_t *t)
 {
     for (int i = 0; i < PB_MAX_SAVED; i++)
         pb_tensor_clear(&t->saved[i]);
+}
+
+int pb_tape_keep(pb_tensor_t *dst, const pb_tensor_t *src)
+{
+    pb_tensor_ref(dst, src);
+    const pb_storage_t *s = src->storage;
+    if (s->kind == PB_STORAGE_HEAP && src->offset == 0 && s->size == pb_tensor_bytes(src))
+        return 0;
+    int rc = pb_tensor_make_owned(dst);
+    if (rc)
+        pb_tensor_clear(dst);
+    return rc;
 }
 
 size_t pb_tapedata_bytes(const pb_tapedata_t *t)

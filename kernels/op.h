@@ -40,7 +40,12 @@ typedef enum pb_opt_type {
     PB_OPT_INT,
     PB_OPT_FLOAT,
     PB_OPT_SCALAR,  /* real number or [re, im] */
+    PB_OPT_AXES,    /* a list of 0-based axes: [2, 0, 1] */
+    PB_OPT_AXES2,   /* two lists of axes: [[0, 2], [1]] */
+    PB_OPT_TEXT,    /* free text up to PB_OPT_TEXT_MAX bytes (an einsum spec) */
 } pb_opt_type_t;
+
+#define PB_OPT_TEXT_MAX 63
 
 typedef struct pb_opt_spec {
     const char *name;
@@ -48,6 +53,8 @@ typedef struct pb_opt_spec {
     const char *const *values; /* allowed strings, NULL-terminated; or NULL */
     int def_index;             /* default for enumerated strings */
     double def_re, def_im;     /* default for numbers (and bool) */
+    /* Axes and text options have no fixed default: absent means what the
+     * op says (identity permutation, untraced axes...); `ops` shows nil. */
 } pb_opt_spec_t;
 
 typedef struct pb_optval {
@@ -56,7 +63,16 @@ typedef struct pb_optval {
     bool b;
     long long i;
     double re, im; /* numbers and scalars */
+    bool cplx;     /* a scalar sent as [re, im]: its gradient stays complex */
+    int nax[2];    /* axes options: the lengths of the one or two lists */
+    signed char ax[2][PB_MAX_RANK]; /* their entries, checked to be < 16 */
+    char text[PB_OPT_TEXT_MAX + 1]; /* text options, NUL-terminated */
 } pb_optval_t;
+
+/* A real or complex scalar (alpha, beta, their gradients). */
+typedef struct pb_scalar {
+    double re, im;
+} pb_scalar_t;
 
 typedef struct pb_io_spec {
     const char *name;
@@ -139,6 +155,10 @@ void pb_call_clear(pb_call_t *c);
 void pb_tapedata_init(pb_tapedata_t *t, const pb_call_t *c);
 void pb_tapedata_clear(pb_tapedata_t *t);
 size_t pb_tapedata_bytes(const pb_tapedata_t *t);
+/* dst: a tensor the tape may keep: a reference when src already owns
+ * exactly its bytes on the heap, else a copy (never a pointer into a
+ * message or a client's memory).  0 or PB_ENOMEM (dst left empty). */
+int pb_tape_keep(pb_tensor_t *dst, const pb_tensor_t *src);
 
 /* Run a whole call on its device: forward (and the tape when c->taped). */
 int pb_op_run_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err);

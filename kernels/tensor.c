@@ -168,7 +168,8 @@ int pb_tensor_alloc(pb_tensor_t *t, pb_dtype_t d, int rank, const uint64_t *shap
     t->dtype = d;
     t->rank = rank;
     t->order = order == 'F' ? 'F' : 'C';
-    memcpy(t->shape, shape, (size_t)rank * sizeof *shape);
+    if (rank > 0) /* a scalar may come with no shape array at all */
+        memcpy(t->shape, shape, (size_t)rank * sizeof *shape);
     t->storage = s;
     t->offset = 0;
     return 0;

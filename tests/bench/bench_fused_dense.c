@@ -14,30 +14,12 @@
 
 #include <cblas.h>
 
+#include "bench_util.h"
 #include "kernels/act.h"
 #include "kernels/blas.h"
 #include "kernels/op.h"
 
 extern const pb_op_t pb_op_fused_dense;
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static int cmp(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp);
-    return v[n / 2];
-}
 
 static void fill(pb_tensor_t *t, pb_dtype_t d, int rank, const uint64_t *shape)
 {

@@ -1,0 +1,53 @@
+/* Strided passes over tensors of any rank: the permutation, scaling,
+ * accumulation and inner-product loops behind tensoradd, tensortrace,
+ * the copies of tensorcontract and the reverse rules of all three.
+ *
+ * Glossary
+ *   loop      an index space (dims) and, per operand, the stride of each
+ *             index in elements.  A permutation is a loop whose source
+ *             strides are the destination's, permuted; a trace gives the
+ *             traced index the sum of two source strides and stride 0 in
+ *             the destination; a broadcast gives the source stride 0.
+ *   op(x)     x, or conj(x) when the pass is asked to conjugate.
+ *
+ * One body serves all four dtypes (strided_t.h).  Loops are normalised
+ * first (size-1 indices dropped, indices sorted by destination stride,
+ * indices that are contiguous in every operand merged), then the two
+ * indices that are fastest in the destination and in the source are
+ * walked in cache-sized tiles, so a transposing permutation reads and
+ * writes whole cache lines.  Nothing is allocated. */
+#ifndef PB_STRIDED_H
+#define PB_STRIDED_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "op.h"
+#include "tensor.h"
+
+typedef struct pb_loop {
+    int rank;
+    uint64_t dim[PB_MAX_RANK];
+    int64_t s[3][PB_MAX_RANK]; /* operand strides in elements: see each call */
+} pb_loop_t;
+
+/* Element strides of a dense tensor of this rank/shape in order 'C' or 'F'. */
+void pb_dense_strides(int rank, const uint64_t *shape, char order, int64_t *stride);
+
+/* dst[i] = alpha·op(src[i]) + beta·src2[i] over L (strides s[0] dst,
+ * s[1] src, s[2] src2); src2 NULL drops the beta term (its values are not
+ * read).  dst may be src when their strides agree (in place).  With
+ * accumulate, dst[i] += alpha·op(src[i]) instead (src2 unused), and dst
+ * strides may be 0 (a reduction). */
+void pb_strided(pb_dtype_t d, const pb_loop_t *L, void *dst, const void *src, bool conj, pb_scalar_t alpha,
+                const void *src2, pb_scalar_t beta, bool accumulate);
+
+/* Σ conj(op(a[i]))·b[i] over L (strides s[0] a, s[1] b), accumulated in
+ * double precision: the inner product ⟨op(a), b⟩ of the gradient
+ * convention. */
+pb_scalar_t pb_strided_dot(pb_dtype_t d, const pb_loop_t *L, const void *a, bool conj, const void *b);
+
+/* Fill a tensor's bytes with zeros. */
+void pb_tensor_zero(pb_tensor_t *t);
+
+#endif
