@@ -1,0 +1,751 @@
+/* pullbackctl: look at and steer a running pullbackd.
+ *
+ * One subcommand per run, each a few requests over the C client library:
+ *   status    hello + stats, as a table (or JSON)
+ *   tapes     stats' tape counts and bytes, all uids and this one
+ *   ping      connect, then `hello` N times, with round-trip times
+ *   drain     the admin `drain` method
+ *   shutdown  the admin `shutdown` method, optionally waiting for the exit
+ * The exit status tells a script what happened (see usage_text below); every
+ * wait for the daemon is bounded by --timeout, so a wedged daemon cannot
+ * hang a script.
+ *
+ * The daemon's pid comes from SO_PEERCRED on the connection and its
+ * resident memory from /proc/PID/status; both are left out when this
+ * process cannot see them (another pid namespace, a hidepid /proc). */
+#define _GNU_SOURCE /* struct ucred */
+#include <errno.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "json.h"
+#include "pullbackd.h"
+
+#ifndef PB_VERSION
+#define PB_VERSION "0"
+#endif
+
+/* Exit statuses; usage_text documents them. */
+enum {
+    CTL_OK = 0,
+    CTL_ERROR = 1,     /* the daemon answered with an error */
+    CTL_USAGE = 2,
+    CTL_CONNECT = 3,   /* nothing to connect to */
+    CTL_DENIED = 4,    /* the socket's mode or the daemon said no */
+    CTL_TRANSPORT = 5, /* connection lost, timed out, or a reply not understood */
+};
+
+static const char usage_text[] =
+    "Usage: pullbackctl [OPTION]... COMMAND\n"
+    "Look at and steer a running pullbackd.\n"
+    "\n"
+    "Commands:\n"
+    "  status            uptime, connections, requests, tapes per uid, devices\n"
+    "  tapes             tapes held and their bytes: all uids, and this uid\n"
+    "  ping              round-trip time of `hello` (see -c, -i)\n"
+    "  drain             refuse new forward calls; reverse and release still served\n"
+    "                    (uid 0 or the daemon's uid only)\n"
+    "  shutdown          drain, then exit (uid 0 or the daemon's uid only; see -w)\n"
+    "\n"
+    "Options:\n"
+    "  -s, --socket PATH    the daemon's socket (default: $PULLBACKD_SOCKET,\n"
+    "                       $RUNTIME_DIRECTORY/pullbackd.sock (first entry of a ':' list),\n"
+    "                       $XDG_RUNTIME_DIR/pullbackd.sock, /tmp/pullbackd-$UID.sock)\n"
+    "  -j, --json           print one JSON object on stdout instead of text; on an\n"
+    "                       error from the daemon: {\"error\": {\"code\", \"message\", ...}}\n"
+    "  -t, --timeout S      give up on any answer after S seconds (default 10)\n"
+    "  -c, --count N        ping: send N hellos (default 4)\n"
+    "  -i, --interval S     ping: wait S seconds between hellos (default 0)\n"
+    "  -w, --wait           shutdown: wait (up to --timeout) until the daemon has exited\n"
+    "  -h, --help           print this help and exit\n"
+    "  -V, --version        print pullbackctl's version and exit\n"
+    "\n"
+    "Exit status:\n"
+    "  0  success\n"
+    "  1  the daemon answered with an error (its code and message are printed)\n"
+    "  2  usage error: unknown command or option, bad value\n"
+    "  3  cannot connect: no daemon listening on the socket (ENOENT, ECONNREFUSED)\n"
+    "  4  permission denied: by the socket's file mode, or by the daemon\n"
+    "     (drain and shutdown need uid 0 or the daemon's own uid)\n"
+    "  5  the connection was lost, an answer timed out, or made no sense\n"
+    "\n"
+    "Examples:\n"
+    "  pullbackctl status\n"
+    "  pullbackctl --socket /run/pullbackd/pullbackd.sock tapes\n"
+    "  pullbackctl ping -c 10\n"
+    "  pullbackctl status --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"tapes\"])'\n"
+    "  pullbackctl ping -c 1 -t 2 >/dev/null 2>&1 || echo 'pullbackd is down'\n"
+    "  sudo pullbackctl shutdown --wait --timeout 60\n";
+
+typedef struct ctl {
+    const char *path;      /* resolved socket path */
+    char path_buf[256];
+    bool json;
+    int timeout_ms;
+    long count;
+    double interval_s;
+    bool wait;
+    pb_client_t *c;
+    pid_t daemon_pid;      /* 0 when unknown */
+} ctl_t;
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_s(double s)
+{
+    if (s <= 0)
+        return;
+    struct timespec ts = {.tv_sec = (time_t)s, .tv_nsec = (long)((s - floor(s)) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+}
+
+/* "12.3 MiB"; bytes below 1 KiB as "512 B". */
+static const char *human_bytes(uint64_t v, char *buf, size_t len)
+{
+    static const char *const unit[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+    double x = (double)v;
+    int u = 0;
+    while (x >= 1024 && u < 6) {
+        x /= 1024;
+        u++;
+    }
+    if (u == 0)
+        snprintf(buf, len, "%" PRIu64 " B", v);
+    else
+        snprintf(buf, len, "%.*f %s", x < 10 ? 2 : x < 100 ? 1 : 0, x, unit[u]);
+    return buf;
+}
+
+/* "2d 03h 04m 05s", leading zero fields left out. */
+static const char *human_duration(double s, char *buf, size_t len)
+{
+    uint64_t t = s > 0 ? (uint64_t)s : 0;
+    unsigned d = (unsigned)(t / 86400), h = (unsigned)(t / 3600 % 24), m = (unsigned)(t / 60 % 60),
+             sec = (unsigned)(t % 60);
+    if (d)
+        snprintf(buf, len, "%ud %02uh %02um %02us", d, h, m, sec);
+    else if (h)
+        snprintf(buf, len, "%uh %02um %02us", h, m, sec);
+    else if (m)
+        snprintf(buf, len, "%um %02us", m, sec);
+    else
+        snprintf(buf, len, "%.1fs", s);
+    return buf;
+}
+
+/* The uint under key of map; false when absent or not a uint. */
+static bool get_u64(const msgpack_object *map, const char *key, uint64_t *v)
+{
+    return pb_obj_uint(pb_obj_get(map, key), v) == 0;
+}
+
+/* Resident memory of pid in bytes, from /proc; false when unreadable. */
+static bool proc_rss(pid_t pid, uint64_t *bytes)
+{
+    char path[64], line[256];
+    if (pid <= 0)
+        return false;
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return false;
+    bool ok = false;
+    while (fgets(line, sizeof line, f) != NULL) {
+        unsigned long long kb;
+        if (sscanf(line, "VmRSS: %llu kB", &kb) == 1) {
+            *bytes = (uint64_t)kb * 1024;
+            ok = true;
+            break;
+        }
+    }
+    fclose(f);
+    return ok;
+}
+
+/* Has pid exited?  A zombie counts as exited: its parent may simply not
+ * have reaped it yet. */
+static bool proc_gone(pid_t pid)
+{
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (f == NULL)
+        return errno == ENOENT || errno == ESRCH;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    const char *p = strrchr(buf, ')');
+    return p != NULL && p[1] == ' ' && (p[2] == 'Z' || p[2] == 'X');
+}
+
+/* ---- talking to the daemon ------------------------------------------------- */
+
+static int ctl_connect(ctl_t *x)
+{
+    int rc = pb_client_connect(x->path, &x->c);
+    if (rc == -EACCES || rc == -EPERM) {
+        fprintf(stderr, "pullbackctl: %s: permission denied (the socket's mode or group does not admit uid %u)\n",
+                x->path, (unsigned)getuid());
+        return CTL_DENIED;
+    }
+    if (rc < 0) {
+        fprintf(stderr, "pullbackctl: cannot connect to pullbackd at %s: %s%s\n", x->path, strerror(-rc),
+                rc == -ENOENT || rc == -ECONNREFUSED ? " (is the daemon running?)" : "");
+        return CTL_CONNECT;
+    }
+    struct ucred cr;
+    socklen_t len = sizeof cr;
+    if (getsockopt(pb_client_fd(x->c), SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0 && cr.pid > 0)
+        x->daemon_pid = cr.pid;
+    return CTL_OK;
+}
+
+/* Report an error reply (stderr; and stdout as {"error": ...} with --json)
+ * and turn it into an exit status. */
+static int ctl_error_reply(const ctl_t *x, const char *method, const pb_reply_t *r)
+{
+    const char *code = pb_reply_code(r);
+    fprintf(stderr, "pullbackctl: %s: %s: %s\n", method, code, pb_reply_message(r));
+    if (x->json) {
+        pb_json_obj_t j;
+        pb__json_open(&j, stdout);
+        pb__json_key(&j, "error");
+        pb__json_object(stdout, r->error);
+        pb__json_close(&j);
+        fputc('\n', stdout);
+    }
+    return strcmp(code, "permission_denied") == 0 ? CTL_DENIED : CTL_ERROR;
+}
+
+/* Call method with params {} and wait at most --timeout for its reply.
+ * CTL_OK with *r holding a successful reply (free it); else the failure has
+ * been reported and r is empty. */
+static int ctl_call(ctl_t *x, const char *method, pb_reply_t *r)
+{
+    msgpack_packer *pk = pb_client_begin(x->c, method);
+    msgpack_pack_map(pk, 0);
+    uint32_t id;
+    int rc = pb_client_send(x->c, &id);
+    uint64_t deadline = now_ns() + (uint64_t)x->timeout_ms * 1000000u;
+    while (rc == 0) {
+        uint64_t now = now_ns();
+        int left = now >= deadline ? 0 : (int)((deadline - now + 999999) / 1000000);
+        rc = pb_client_recv_timeout(x->c, r, left);
+        if (rc < 0)
+            break;
+        if (r->msgid == id)
+            break;
+        pb_reply_free(r); /* not ours: nothing else was sent on this connection */
+    }
+    if (rc == -ETIMEDOUT) {
+        fprintf(stderr, "pullbackctl: %s: no answer within %.3g s\n", method, x->timeout_ms / 1000.0);
+        return CTL_TRANSPORT;
+    }
+    if (rc < 0) {
+        fprintf(stderr, "pullbackctl: %s: %s%s\n", method, strerror(-rc),
+                rc == -EPIPE ? " (the daemon closed the connection)" : "");
+        return CTL_TRANSPORT;
+    }
+    if (r->error != NULL) {
+        int st = ctl_error_reply(x, method, r);
+        pb_reply_free(r);
+        return st;
+    }
+    if (r->result == NULL || r->result->type != MSGPACK_OBJECT_MAP) {
+        fprintf(stderr, "pullbackctl: %s: the result is not a map\n", method);
+        pb_reply_free(r);
+        return CTL_TRANSPORT;
+    }
+    return CTL_OK;
+}
+
+/* ---- status ------------------------------------------------------------------ */
+
+static void print_count_line(const char *label, const msgpack_object *st, const char *key, const char *what)
+{
+    uint64_t v;
+    if (get_u64(st, key, &v))
+        printf("%-18s%" PRIu64 " %s\n", label, v, what);
+    else
+        printf("%-18s(not reported by this daemon)\n", label);
+}
+
+static void print_tapes_line(const char *label, const msgpack_object *st, const char *nkey, const char *bkey,
+                             const msgpack_object *limits, const char *lkey)
+{
+    uint64_t n, b, lim;
+    char h1[32], h2[32];
+    if (!get_u64(st, nkey, &n) || !get_u64(st, bkey, &b)) {
+        printf("%-18s(not reported by this daemon)\n", label);
+        return;
+    }
+    printf("%-18s%" PRIu64 " held, %s", label, n, human_bytes(b, h1, sizeof h1));
+    if (b >= 1024)
+        printf(" (%" PRIu64 " bytes)", b);
+    if (get_u64(limits, lkey, &lim))
+        printf(" of %s (%s)", human_bytes(lim, h2, sizeof h2), lkey);
+    printf("\n");
+}
+
+static void status_text(const ctl_t *x, const msgpack_object *hello, const msgpack_object *st)
+{
+    const msgpack_object *ver = pb_obj_get(hello, "version"), *limits = pb_obj_get(hello, "limits");
+    uint64_t v, w, rss;
+    double up;
+    char h[40], label[40];
+
+    printf("pullbackd %.*s, protocol %" PRIu64 ", socket %s\n",
+           ver && ver->type == MSGPACK_OBJECT_STR ? (int)ver->via.str.size : 1,
+           ver && ver->type == MSGPACK_OBJECT_STR ? ver->via.str.ptr : "?",
+           get_u64(hello, "protocol", &v) ? v : 0, x->path);
+    if (x->daemon_pid > 0) {
+        printf("%-18s%d", "pid", (int)x->daemon_pid);
+        if (proc_rss(x->daemon_pid, &rss))
+            printf(", resident memory %s", human_bytes(rss, h, sizeof h));
+        printf("\n");
+    }
+    if (pb_obj_double(pb_obj_get(st, "uptime_s"), &up) == 0)
+        printf("%-18s%s\n", "uptime", human_duration(up, h, sizeof h));
+    else
+        printf("%-18s(not reported by this daemon)\n", "uptime");
+    print_count_line("connections", st, "connections", "open (this one included)");
+    if (get_u64(st, "requests_served", &v) && get_u64(st, "requests_in_flight", &w))
+        printf("%-18s%" PRIu64 " served, %" PRIu64 " in flight\n", "requests", v, w);
+    else
+        printf("%-18s(not reported by this daemon)\n", "requests");
+    print_tapes_line("tapes", st, "tapes", "tape_bytes", limits, "max_tape_bytes");
+    snprintf(label, sizeof label, "this uid (%u)", (unsigned)getuid());
+    print_tapes_line(label, st, "peer_tapes", "peer_tape_bytes", limits, "max_tape_bytes_per_uid");
+
+    const msgpack_object *peers = pb_obj_get(st, "peers");
+    printf("\ntapes by uid\n");
+    if (peers == NULL || peers->type != MSGPACK_OBJECT_ARRAY) {
+        printf("  (not reported by this daemon)\n");
+    } else if (peers->via.array.size == 0) {
+        printf("  (no tapes held)\n");
+    } else {
+        printf("  %-10s %10s %16s\n", "uid", "tapes", "bytes");
+        for (uint32_t i = 0; i < peers->via.array.size; i++) {
+            const msgpack_object *p = &peers->via.array.ptr[i];
+            uint64_t uid = 0, n = 0, b = 0;
+            get_u64(p, "uid", &uid);
+            get_u64(p, "tapes", &n);
+            get_u64(p, "tape_bytes", &b);
+            printf("  %-10" PRIu64 " %10" PRIu64 " %16" PRIu64 "  %s\n", uid, n, b, human_bytes(b, h, sizeof h));
+        }
+    }
+
+    const msgpack_object *devs = pb_obj_get(st, "devices");
+    printf("\ndevices\n");
+    if (devs == NULL || devs->type != MSGPACK_OBJECT_ARRAY) {
+        printf("  (not reported by this daemon)\n");
+        return;
+    }
+    printf("  %-10s %16s\n", "name", "memory");
+    for (uint32_t i = 0; i < devs->via.array.size; i++) {
+        const msgpack_object *d = &devs->via.array.ptr[i], *name = pb_obj_get(d, "name");
+        uint64_t mem;
+        bool has_mem = get_u64(d, "memory_bytes", &mem);
+        printf("  %-10.*s %16s\n", name && name->type == MSGPACK_OBJECT_STR ? (int)name->via.str.size : 1,
+               name && name->type == MSGPACK_OBJECT_STR ? name->via.str.ptr : "?",
+               has_mem ? human_bytes(mem, h, sizeof h) : "?");
+    }
+}
+
+/* The fields every JSON output opens with. */
+static void json_head(pb_json_obj_t *j, const ctl_t *x)
+{
+    pb__json_open(j, stdout);
+    pb__json_key(j, "socket");
+    pb__json_string(stdout, x->path, strlen(x->path));
+    if (x->daemon_pid > 0) {
+        pb__json_key(j, "daemon_pid");
+        printf("%d", (int)x->daemon_pid);
+    }
+}
+
+static int cmd_status(ctl_t *x)
+{
+    pb_reply_t hello, st;
+    int rc = ctl_call(x, "hello", &hello);
+    if (rc)
+        return rc;
+    if ((rc = ctl_call(x, "stats", &st))) {
+        pb_reply_free(&hello);
+        return rc;
+    }
+    if (x->json) {
+        pb_json_obj_t j;
+        uint64_t rss;
+        json_head(&j, x);
+        if (proc_rss(x->daemon_pid, &rss)) {
+            pb__json_key(&j, "daemon_rss_bytes");
+            printf("%" PRIu64, rss);
+        }
+        pb__json_key(&j, "uid");
+        printf("%u", (unsigned)getuid());
+        static const char *const from_hello[] = {"version", "protocol", "limits"};
+        for (size_t i = 0; i < 3; i++) {
+            const msgpack_object *o = pb_obj_get(hello.result, from_hello[i]);
+            if (o != NULL) {
+                pb__json_key(&j, from_hello[i]);
+                pb__json_object(stdout, o);
+            }
+        }
+        static const char *const skip[] = {"socket", "daemon_pid", "daemon_rss_bytes", "uid", "version",
+                                           "protocol", "limits", NULL};
+        pb__json_members(&j, st.result, skip);
+        pb__json_close(&j);
+        fputc('\n', stdout);
+    } else {
+        status_text(x, hello.result, st.result);
+    }
+    pb_reply_free(&hello);
+    pb_reply_free(&st);
+    return CTL_OK;
+}
+
+/* ---- tapes ------------------------------------------------------------------- */
+
+static int cmd_tapes(ctl_t *x)
+{
+    pb_reply_t hello, st;
+    int rc = ctl_call(x, "hello", &hello);
+    if (rc)
+        return rc;
+    if ((rc = ctl_call(x, "stats", &st))) {
+        pb_reply_free(&hello);
+        return rc;
+    }
+    const msgpack_object *limits = pb_obj_get(hello.result, "limits");
+    static const char *const keys[] = {"tapes", "tape_bytes", "peer_tapes", "peer_tape_bytes"};
+    uint64_t v[4];
+    for (int i = 0; i < 4; i++) {
+        if (!get_u64(st.result, keys[i], &v[i])) {
+            fprintf(stderr, "pullbackctl: stats: no uint '%s' in the daemon's answer\n", keys[i]);
+            pb_reply_free(&hello);
+            pb_reply_free(&st);
+            return CTL_TRANSPORT;
+        }
+    }
+    uint64_t lim_all = 0, lim_uid = 0;
+    bool has_all = get_u64(limits, "max_tape_bytes", &lim_all),
+         has_uid = get_u64(limits, "max_tape_bytes_per_uid", &lim_uid);
+    if (x->json) {
+        pb_json_obj_t j;
+        json_head(&j, x);
+        pb__json_key(&j, "uid");
+        printf("%u", (unsigned)getuid());
+        for (int i = 0; i < 4; i++) {
+            pb__json_key(&j, keys[i]);
+            printf("%" PRIu64, v[i]);
+        }
+        if (has_all) {
+            pb__json_key(&j, "max_tape_bytes");
+            printf("%" PRIu64, lim_all);
+        }
+        if (has_uid) {
+            pb__json_key(&j, "max_tape_bytes_per_uid");
+            printf("%" PRIu64, lim_uid);
+        }
+        pb__json_close(&j);
+        fputc('\n', stdout);
+    } else {
+        char h1[32], h2[32], label[40];
+        printf("%-16s %10s %16s %12s %12s\n", "", "tapes", "bytes", "", "limit");
+        printf("%-16s %10" PRIu64 " %16" PRIu64 " %12s %12s\n", "all uids", v[0], v[1],
+               human_bytes(v[1], h1, sizeof h1), has_all ? human_bytes(lim_all, h2, sizeof h2) : "?");
+        snprintf(label, sizeof label, "uid %u (you)", (unsigned)getuid());
+        printf("%-16s %10" PRIu64 " %16" PRIu64 " %12s %12s\n", label, v[2], v[3],
+               human_bytes(v[3], h1, sizeof h1), has_uid ? human_bytes(lim_uid, h2, sizeof h2) : "?");
+    }
+    pb_reply_free(&hello);
+    pb_reply_free(&st);
+    return CTL_OK;
+}
+
+/* ---- ping -------------------------------------------------------------------- */
+
+static int cmd_ping(ctl_t *x, double connect_ms)
+{
+    double *rtt = calloc((size_t)x->count, sizeof *rtt);
+    if (rtt == NULL) {
+        fprintf(stderr, "pullbackctl: out of memory\n");
+        return CTL_TRANSPORT;
+    }
+    int rc = CTL_OK;
+    char version[64] = "?";
+    uint64_t proto = 0;
+    long done = 0;
+    for (long i = 0; i < x->count; i++) {
+        if (i > 0)
+            sleep_s(x->interval_s);
+        pb_reply_t r;
+        uint64_t t0 = now_ns();
+        if ((rc = ctl_call(x, "hello", &r)))
+            break;
+        rtt[i] = (double)(now_ns() - t0) / 1e6;
+        done++;
+        const msgpack_object *v = pb_obj_get(r.result, "version");
+        if (i == 0) {
+            if (v && v->type == MSGPACK_OBJECT_STR)
+                snprintf(version, sizeof version, "%.*s", (int)v->via.str.size, v->via.str.ptr);
+            get_u64(r.result, "protocol", &proto);
+            if (!x->json)
+                printf("PING pullbackd %s (protocol %" PRIu64 ") at %s: connected in %.3f ms\n", version, proto,
+                       x->path, connect_ms);
+        }
+        if (!x->json) {
+            printf("hello seq=%ld time=%.3f ms\n", i + 1, rtt[i]);
+            fflush(stdout);
+        }
+        pb_reply_free(&r);
+    }
+    double mn = INFINITY, mx = 0, sum = 0;
+    for (long i = 0; i < done; i++) {
+        mn = fmin(mn, rtt[i]);
+        mx = fmax(mx, rtt[i]);
+        sum += rtt[i];
+    }
+    double avg = done ? sum / (double)done : 0;
+    if (done == 0)
+        mn = 0;
+    if (x->json && rc == CTL_OK) {
+        pb_json_obj_t j;
+        json_head(&j, x);
+        pb__json_key(&j, "version");
+        pb__json_string(stdout, version, strlen(version));
+        pb__json_key(&j, "protocol");
+        printf("%" PRIu64, proto);
+        pb__json_key(&j, "count");
+        printf("%ld", done);
+        pb__json_key(&j, "connect_ms");
+        pb__json_double(stdout, connect_ms);
+        pb__json_key(&j, "rtt_ms");
+        fputc('[', stdout);
+        for (long i = 0; i < done; i++) {
+            if (i)
+                fputs(", ", stdout);
+            pb__json_double(stdout, rtt[i]);
+        }
+        fputc(']', stdout);
+        pb__json_key(&j, "min_ms");
+        pb__json_double(stdout, mn);
+        pb__json_key(&j, "avg_ms");
+        pb__json_double(stdout, avg);
+        pb__json_key(&j, "max_ms");
+        pb__json_double(stdout, mx);
+        pb__json_close(&j);
+        fputc('\n', stdout);
+    } else if (!x->json) {
+        printf("--- %ld of %ld hellos answered, rtt min/avg/max = %.3f/%.3f/%.3f ms\n", done, x->count, mn, avg, mx);
+    }
+    free(rtt);
+    return rc;
+}
+
+/* ---- drain, shutdown ------------------------------------------------------- */
+
+static int cmd_admin(ctl_t *x, const char *method)
+{
+    bool shutdown = strcmp(method, "shutdown") == 0;
+    pb_reply_t r;
+    int rc = ctl_call(x, method, &r);
+    if (rc)
+        return rc;
+    uint64_t t0 = now_ns();
+    bool stopped = false;
+    if (shutdown && x->wait) {
+        /* The daemon closes every connection once the last answer is out,
+         * then exits: wait for the close, then for the process. */
+        uint64_t deadline = t0 + (uint64_t)x->timeout_ms * 1000000u;
+        for (;;) {
+            uint64_t now = now_ns();
+            int left = now >= deadline ? 0 : (int)((deadline - now) / 1000000);
+            pb_reply_t extra;
+            int e = pb_client_recv_timeout(x->c, &extra, left);
+            if (e == 0) {
+                pb_reply_free(&extra);
+                continue;
+            }
+            stopped = e == -EPIPE;
+            break;
+        }
+        while (stopped && x->daemon_pid > 0 && !proc_gone(x->daemon_pid)) {
+            if (now_ns() >= deadline) {
+                stopped = false;
+                break;
+            }
+            sleep_s(0.005);
+        }
+    }
+    double waited = (double)(now_ns() - t0) / 1e9;
+    if (x->json) {
+        pb_json_obj_t j;
+        json_head(&j, x);
+        static const char *const skip[] = {"socket", "daemon_pid", "stopped", "stop_s", NULL};
+        pb__json_members(&j, r.result, skip);
+        if (shutdown && x->wait) {
+            pb__json_key(&j, "stopped");
+            fputs(stopped ? "true" : "false", stdout);
+            pb__json_key(&j, "stop_s");
+            pb__json_double(stdout, waited);
+        }
+        pb__json_close(&j);
+        fputc('\n', stdout);
+    } else if (!shutdown) {
+        printf("pullbackd at %s is draining: new forward calls are refused, reverse and release are still served\n",
+               x->path);
+    } else if (!x->wait) {
+        printf("pullbackd at %s is shutting down: requests already sent are served, then it exits\n", x->path);
+    } else if (stopped) {
+        printf("pullbackd at %s has stopped (%.3f s after the shutdown answer)\n", x->path, waited);
+    }
+    pb_reply_free(&r);
+    if (shutdown && x->wait && !stopped) {
+        fprintf(stderr, "pullbackctl: shutdown: the daemon did not exit within %.3g s\n", x->timeout_ms / 1000.0);
+        return CTL_TRANSPORT;
+    }
+    return CTL_OK;
+}
+
+/* ---- main ------------------------------------------------------------------ */
+
+static int usage_error(const char *fmt, const char *arg)
+{
+    fputs("pullbackctl: ", stderr);
+    fprintf(stderr, fmt, arg);
+    fputs("\nTry 'pullbackctl --help'.\n", stderr);
+    return CTL_USAGE;
+}
+
+static bool parse_seconds(const char *s, double *out)
+{
+    char *end;
+    errno = 0;
+    double v = strtod(s, &end);
+    if (errno || end == s || *end || !isfinite(v) || v < 0 || v > 86400.0 * 365)
+        return false;
+    *out = v;
+    return true;
+}
+
+int main(int argc, char **argv)
+{
+    ctl_t x = {.timeout_ms = 10000, .count = 4};
+    bool count_given = false, interval_given = false;
+    static const struct option opts[] = {
+        {"socket", required_argument, NULL, 's'},  {"json", no_argument, NULL, 'j'},
+        {"timeout", required_argument, NULL, 't'}, {"count", required_argument, NULL, 'c'},
+        {"interval", required_argument, NULL, 'i'}, {"wait", no_argument, NULL, 'w'},
+        {"help", no_argument, NULL, 'h'},          {"version", no_argument, NULL, 'V'},
+        {NULL, 0, NULL, 0},
+    };
+    int ch;
+    double secs;
+    char *end;
+    while ((ch = getopt_long(argc, argv, "s:jt:c:i:whV", opts, NULL)) != -1) {
+        switch (ch) {
+        case 's':
+            if (*optarg == 0)
+                return usage_error("--socket: empty path%s", "");
+            x.path = optarg;
+            break;
+        case 'j':
+            x.json = true;
+            break;
+        case 't':
+            if (!parse_seconds(optarg, &secs) || secs <= 0)
+                return usage_error("--timeout: expected a positive number of seconds, got '%s'", optarg);
+            x.timeout_ms = (int)ceil(secs * 1000);
+            break;
+        case 'c':
+            errno = 0;
+            x.count = strtol(optarg, &end, 10);
+            if (errno || end == optarg || *end || x.count < 1 || x.count > 1000000)
+                return usage_error("--count: expected 1..1000000, got '%s'", optarg);
+            count_given = true;
+            break;
+        case 'i':
+            if (!parse_seconds(optarg, &x.interval_s))
+                return usage_error("--interval: expected seconds >= 0, got '%s'", optarg);
+            interval_given = true;
+            break;
+        case 'w':
+            x.wait = true;
+            break;
+        case 'h':
+            fputs(usage_text, stdout);
+            return CTL_OK;
+        case 'V':
+            printf("pullbackctl %s\n", PB_VERSION);
+            return CTL_OK;
+        default:
+            /* getopt_long has said what was wrong. */
+            fputs("Try 'pullbackctl --help'.\n", stderr);
+            return CTL_USAGE;
+        }
+    }
+    if (optind >= argc)
+        return usage_error("no command given (status, tapes, ping, drain, shutdown)%s", "");
+    if (optind + 1 < argc)
+        return usage_error("unexpected argument '%s' after the command", argv[optind + 1]);
+    const char *cmd = argv[optind];
+    static const char *const cmds[] = {"status", "tapes", "ping", "drain", "shutdown", "help"};
+    size_t k = 0;
+    while (k < sizeof cmds / sizeof cmds[0] && strcmp(cmd, cmds[k]) != 0)
+        k++;
+    if (k == sizeof cmds / sizeof cmds[0])
+        return usage_error("unknown command '%s' (status, tapes, ping, drain, shutdown)", cmd);
+    if (strcmp(cmd, "help") == 0) {
+        fputs(usage_text, stdout);
+        return CTL_OK;
+    }
+    if ((count_given || interval_given) && strcmp(cmd, "ping") != 0)
+        return usage_error("--count and --interval are for ping, not %s", cmd);
+    if (x.wait && strcmp(cmd, "shutdown") != 0)
+        return usage_error("--wait is for shutdown, not %s", cmd);
+
+    if (x.path == NULL) {
+        int rc = pb_client_socket_path(x.path_buf, sizeof x.path_buf);
+        if (rc < 0) {
+            fprintf(stderr, "pullbackctl: the socket path from the environment is too long: %s; use --socket\n",
+                    strerror(-rc));
+            return CTL_USAGE;
+        }
+        x.path = x.path_buf;
+    }
+    uint64_t t0 = now_ns();
+    int rc = ctl_connect(&x);
+    if (rc)
+        return rc;
+    double connect_ms = (double)(now_ns() - t0) / 1e6;
+    if (strcmp(cmd, "status") == 0)
+        rc = cmd_status(&x);
+    else if (strcmp(cmd, "tapes") == 0)
+        rc = cmd_tapes(&x);
+    else if (strcmp(cmd, "ping") == 0)
+        rc = cmd_ping(&x, connect_ms);
+    else
+        rc = cmd_admin(&x, cmd);
+    pb_client_close(x.c);
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "pullbackctl: writing the output: %s\n", strerror(errno));
+        if (rc == CTL_OK)
+            rc = CTL_TRANSPORT;
+    }
+    return rc;
+}

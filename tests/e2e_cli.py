@@ -1,0 +1,370 @@
+"""e2e.cli: the pullbackctl binary against a private daemon.
+
+Runs the built pullbackctl ($PULLBACKCTL_BIN) for each subcommand and checks
+its output, its --json (parsed with the json module) and its exit status:
+0 ok, 1 error answered by the daemon, 2 usage, 3 cannot connect, 4
+permission denied, 5 connection lost or timed out.  The daemon is
+$PULLBACKD_BIN (tests/python/daemon_case.py starts it); tapes are made with
+the Python client so that the figures pullbackctl prints can be compared
+with what is known to be held.  Statuses 1 and 5 need a daemon that
+misbehaves: a small fake server in a thread plays it.
+
+The permission checks run another uid (nobody) and so need root; as
+another user they are skipped.
+"""
+
+import json
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "clients", "python"))
+
+import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
+import pullbackd  # noqa: E402
+from daemon_case import DaemonCase, wait_for_socket  # noqa: E402
+
+CTL = os.environ.get("PULLBACKCTL_BIN", os.path.join(HERE, "..", "build", "clients", "cli", "pullbackctl"))
+DAEMON = os.environ.get("PULLBACKD_BIN", "build/daemon/pullbackd")
+
+# Only what a test sets: the socket chain must not find a daemon of the host.
+CLEAN_ENV = {k: v for k, v in os.environ.items()
+             if k not in ("PULLBACKD_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR")}
+
+
+def ctl(*args, env=None, user=None, timeout=30):
+    """Run pullbackctl; (exit status, stdout, stderr)."""
+    e = dict(CLEAN_ENV)
+    e.update(env or {})
+    kw = {}
+    if user is not None:
+        kw["user"] = user
+    p = subprocess.run([CTL, *args], capture_output=True, text=True, env=e, timeout=timeout, **kw)
+    return p.returncode, p.stdout, p.stderr
+
+
+def make_tapes(client, n, size=3):
+    """n tapes of fused_dense (W size×size, x size×2, bias) on client."""
+    rng = np.random.default_rng(n)
+    tapes = []
+    for _ in range(n):
+        W, x, b = rng.random((size, size)), rng.random((size, 2)), rng.random(size)
+        _, tape = client.augmented_forward("fused_dense", {"weight": W, "x": x, "bias": b},
+                                           wrt=["weight", "x", "bias"], options={"act": "gelu"})
+        tapes.append(tape)
+    return tapes
+
+
+class Usage(unittest.TestCase):
+    """What needs no daemon at all."""
+
+    def test_help(self):
+        rc, out, err = ctl("--help")
+        self.assertEqual(rc, 0)
+        for word in ("status", "tapes", "ping", "drain", "shutdown", "--json", "--socket",
+                     "Exit status", "Examples", "PULLBACKD_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
+            self.assertIn(word, out)
+        self.assertEqual(ctl("help")[0], 0)
+        rc, out, _ = ctl("--version")
+        self.assertEqual(rc, 0)
+        self.assertTrue(out.startswith("pullbackctl "))
+
+    def test_usage_errors(self):
+        for args in ([], ["frobnicate"], ["status", "extra"], ["--bogus", "status"], ["ping", "-c", "0"],
+                     ["ping", "-c", "x"], ["status", "-c", "3"], ["tapes", "--wait"], ["status", "--timeout", "0"],
+                     ["status", "--socket"], ["ping", "-i", "-1"]):
+            rc, out, err = ctl(*args)
+            self.assertEqual(rc, 2, f"{args}: {err}")
+            self.assertEqual(out, "", args)
+            self.assertIn("pullbackctl", err)
+
+    def test_no_daemon(self):
+        d = tempfile.mkdtemp(prefix="pbctl")
+        try:
+            path = os.path.join(d, "none.sock")
+            for cmd in ("status", "tapes", "ping", "drain", "shutdown"):
+                rc, out, err = ctl("--socket", path, cmd)
+                self.assertEqual(rc, 3, f"{cmd}: {err}")
+                self.assertIn(path, err)
+            # Through the environment chain too.
+            self.assertEqual(ctl("status", env={"PULLBACKD_SOCKET": path})[0], 3)
+            # A socket file with nobody listening (a daemon that died).
+            s = socket.socket(socket.AF_UNIX)
+            s.bind(path)
+            s.close()
+            rc, _, err = ctl("--socket", path, "ping", "-c", "1")
+            self.assertEqual(rc, 3, err)
+            self.assertIn("refused", err)
+        finally:
+            shutil.rmtree(d)
+
+
+class Running(DaemonCase):
+    """status, tapes and ping against a daemon that keeps running."""
+
+    def run_json(self, *args, env=None):
+        rc, out, err = ctl(*args, "--json", env=env or {"PULLBACKD_SOCKET": self.path})
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.count("\n"), 1, out)
+        return json.loads(out)
+
+    def test_socket_chain(self):
+        # --socket, then each variable of the chain, first that is set.
+        self.assertEqual(ctl("--socket", self.path, "ping", "-c", "1")[0], 0)
+        self.assertEqual(ctl("ping", "-c", "1", env={"PULLBACKD_SOCKET": self.path})[0], 0)
+        self.assertEqual(ctl("ping", "-c", "1", env={"RUNTIME_DIRECTORY": self.dir + ":/nonexistent"})[0], 0)
+        self.assertEqual(ctl("ping", "-c", "1", env={"XDG_RUNTIME_DIR": self.dir})[0], 0)
+        # Order: PULLBACKD_SOCKET wins over the others, --socket over all.
+        rc, _, err = ctl("ping", "-c", "1", env={"PULLBACKD_SOCKET": "/nonexistent/x.sock",
+                                                 "XDG_RUNTIME_DIR": self.dir})
+        self.assertEqual(rc, 3)
+        self.assertIn("/nonexistent/x.sock", err)
+        self.assertEqual(ctl("--socket", self.path, "ping", "-c", "1",
+                             env={"PULLBACKD_SOCKET": "/nonexistent/x.sock"})[0], 0)
+        rc, out, _ = ctl("status", "--json", env={"RUNTIME_DIRECTORY": self.dir + ":/other"})
+        self.assertEqual(json.loads(out)["socket"], os.path.join(self.dir, "pullbackd.sock"))
+
+    def test_status_and_tapes(self):
+        with pullbackd.Client(self.path) as c:
+            base = self.run_json("status")
+            tapes = make_tapes(c, 3)
+            held = sum(t.tape_bytes for t in tapes)
+            st = self.run_json("status")
+            for key in ("socket", "version", "protocol", "limits", "uid", "tapes", "tape_bytes", "peer_tapes",
+                        "peer_tape_bytes", "connections", "requests_served", "requests_in_flight",
+                        "uptime_s", "devices", "peers"):
+                self.assertIn(key, st)
+            self.assertEqual(st["socket"], self.path)
+            self.assertEqual(st["protocol"], 1)
+            self.assertEqual(st["tapes"], base["tapes"] + 3)
+            self.assertEqual(st["tape_bytes"], base["tape_bytes"] + held)
+            self.assertEqual(st["uid"], os.getuid())
+            self.assertEqual(st["peer_tapes"], st["tapes"])  # one uid here
+            mine = [p for p in st["peers"] if p["uid"] == os.getuid()]
+            self.assertEqual(mine[0]["tapes"], st["tapes"])
+            self.assertEqual(mine[0]["tape_bytes"], st["tape_bytes"])
+            self.assertGreaterEqual(st["connections"], 2)  # the client above and pullbackctl
+            self.assertGreater(st["requests_served"], base["requests_served"])
+            self.assertEqual(st["requests_in_flight"], 0)
+            self.assertGreater(st["uptime_s"], 0)
+            self.assertGreaterEqual(st["uptime_s"], base["uptime_s"])
+            self.assertEqual(st["devices"][0]["name"], "cpu")
+            self.assertGreater(st["devices"][0]["memory_bytes"], 0)
+            self.assertEqual(st["daemon_pid"], self.proc.pid)
+            self.assertGreater(st["daemon_rss_bytes"], 0)
+            self.assertEqual(st["limits"]["max_tape_bytes"], 4 << 30)
+
+            rc, out, err = ctl("status", env={"PULLBACKD_SOCKET": self.path})
+            self.assertEqual(rc, 0, err)
+            for word in ("pullbackd", "protocol 1", "uptime", "connections", "requests",
+                         "tapes by uid", "devices", "cpu", str(self.proc.pid)):
+                self.assertIn(word, out)
+            self.assertIn(f"{st['tapes']} held", out)
+
+            t = self.run_json("tapes")
+            self.assertEqual((t["tapes"], t["tape_bytes"]), (st["tapes"], st["tape_bytes"]))
+            self.assertEqual((t["peer_tapes"], t["peer_tape_bytes"]), (st["peer_tapes"], st["peer_tape_bytes"]))
+            self.assertEqual(t["max_tape_bytes_per_uid"], 4 << 30)
+            rc, out, err = ctl("tapes", env={"PULLBACKD_SOCKET": self.path})
+            self.assertEqual(rc, 0, err)
+            self.assertIn("all uids", out)
+            self.assertIn(f"uid {os.getuid()}", out)
+            self.assertIn(f" {st['tape_bytes']} ", out)
+
+            for tape in tapes:
+                tape.release()
+            t = self.run_json("tapes")
+            self.assertEqual((t["tapes"], t["tape_bytes"]), (base["tapes"], base["tape_bytes"]))
+
+    def test_ping(self):
+        p = self.run_json("ping", "-c", "3")
+        self.assertEqual(p["count"], 3)
+        self.assertEqual(len(p["rtt_ms"]), 3)
+        self.assertLessEqual(p["min_ms"], p["avg_ms"])
+        self.assertLessEqual(p["avg_ms"], p["max_ms"])
+        self.assertGreater(p["min_ms"], 0)
+        self.assertGreaterEqual(p["connect_ms"], 0)
+        self.assertEqual(p["protocol"], 1)
+        rc, out, err = ctl("ping", "-c", "2", "-i", "0.01", env={"PULLBACKD_SOCKET": self.path})
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(out.count("hello seq="), 2)
+        self.assertIn("min/avg/max", out)
+
+    @unittest.skipUnless(os.geteuid() == 0, "needs root to run as another uid")
+    def test_socket_mode_denies(self):
+        # The daemon's socket is 0660 in a 0700 folder: nobody may not connect.
+        rc, out, err = ctl("--socket", self.path, "status", user="nobody")
+        self.assertEqual(rc, 4, err)
+        self.assertIn("permission denied", err)
+
+
+class OpenSocket(DaemonCase):
+    """A socket everyone may connect to: the daemon itself refuses admin calls."""
+
+    DAEMON_ARGS = ["--socket-mode", "0666"]
+
+    @unittest.skipUnless(os.geteuid() == 0, "needs root to run as another uid")
+    def test_admin_denied(self):
+        os.chmod(self.dir, 0o755)
+        nobody = pwd.getpwnam("nobody").pw_uid
+        rc, out, err = ctl("--socket", self.path, "status", "--json", user="nobody")
+        self.assertEqual(rc, 0, err)
+        self.assertEqual(json.loads(out)["uid"], nobody)
+        for cmd in ("drain", "shutdown"):
+            rc, out, err = ctl("--socket", self.path, cmd, "--json", user="nobody")
+            self.assertEqual(rc, 4, err)
+            self.assertEqual(json.loads(out)["error"]["code"], "permission_denied")
+            self.assertIn("permission_denied", err)
+        # Still serving new forward calls: nothing was drained.
+        with pullbackd.Client(self.path) as c:
+            c.forward("fused_dense", {"weight": np.eye(2), "x": np.ones((2, 1))})
+
+
+class Drain(DaemonCase):
+    def test_drain(self):
+        with pullbackd.Client(self.path) as c:
+            tape = make_tapes(c, 1)[0]
+            rc, out, err = ctl("--socket", self.path, "drain")
+            self.assertEqual(rc, 0, err)
+            self.assertIn("draining", out)
+            d = json.loads(ctl("--socket", self.path, "drain", "--json")[1])
+            self.assertEqual(d, {"socket": self.path, "daemon_pid": self.proc.pid, "draining": True})
+            with self.assertRaises(pullbackd.PullbackError) as e:
+                c.forward("fused_dense", {"weight": np.eye(2), "x": np.ones((2, 1))})
+            self.assertEqual(e.exception.code, "shutting_down")
+            self.assertTrue(tape.release())
+            # Still answering the admin tool.
+            self.assertEqual(ctl("--socket", self.path, "tapes")[0], 0)
+
+
+class Shutdown(unittest.TestCase):
+    def test_shutdown_wait(self):
+        d = tempfile.mkdtemp(prefix="pbctl")
+        path = os.path.join(d, "pullbackd.sock")
+        proc = subprocess.Popen([DAEMON, "--socket", path, "--log-level", "warning"])
+        try:
+            wait_for_socket(path, proc)
+            rc, out, err = ctl("--socket", path, "shutdown", "--wait", "--json", "--timeout", "20")
+            self.assertEqual(rc, 0, err)
+            j = json.loads(out)
+            self.assertTrue(j["shutting_down"])
+            self.assertTrue(j["stopped"])
+            self.assertGreaterEqual(j["stop_s"], 0)
+            self.assertEqual(proc.wait(10), 0)
+            self.assertEqual(ctl("--socket", path, "status")[0], 3)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(d)
+
+    def test_shutdown_text(self):
+        d = tempfile.mkdtemp(prefix="pbctl")
+        path = os.path.join(d, "pullbackd.sock")
+        proc = subprocess.Popen([DAEMON, "--socket", path, "--log-level", "warning"])
+        try:
+            wait_for_socket(path, proc)
+            rc, out, err = ctl("--socket", path, "shutdown")
+            self.assertEqual(rc, 0, err)
+            self.assertIn("shutting down", out)
+            self.assertEqual(proc.wait(10), 0)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(d)
+
+
+class FakeDaemon:
+    """A socket server that misbehaves in one chosen way per connection:
+    'error' answers every request with an `internal` error, 'close' closes
+    without answering, 'silent' reads and never answers, 'garbage' answers
+    with bytes that are not msgpack-RPC."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.dir = tempfile.mkdtemp(prefix="pbfake")
+        self.path = os.path.join(self.dir, "fake.sock")
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(self.path)
+        self.sock.listen(8)
+        self.conns = []
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self.one, args=(conn,), daemon=True).start()
+
+    def one(self, conn):
+        unp = msgpack.Unpacker(raw=False)
+        try:
+            while True:
+                data = conn.recv(65536)
+                if not data:
+                    return
+                unp.feed(data)
+                for msg in unp:
+                    if self.mode == "close":
+                        conn.close()
+                        return
+                    if self.mode == "error":
+                        conn.sendall(msgpack.packb([1, msg[1], {"code": "internal", "message": "fake failure"},
+                                                    None]))
+                    elif self.mode == "garbage":
+                        conn.sendall(msgpack.packb({"not": "a response"}))
+        except OSError:
+            return
+
+    def close(self):
+        self.sock.close()
+        for c in self.conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+        shutil.rmtree(self.dir)
+
+
+class Misbehaving(unittest.TestCase):
+    def check(self, mode, args, want, text):
+        fake = FakeDaemon(mode)
+        try:
+            t0 = time.monotonic()
+            rc, out, err = ctl("--socket", fake.path, *args)
+            self.assertEqual(rc, want, f"{mode} {args}: {err}")
+            self.assertIn(text, err)
+            self.assertLess(time.monotonic() - t0, 10)
+            return out
+        finally:
+            fake.close()
+
+    def test_error_reply(self):
+        for cmd in ("status", "tapes", "ping", "drain", "shutdown"):
+            self.check("error", [cmd], 1, "internal: fake failure")
+        out = self.check("error", ["status", "--json"], 1, "internal")
+        self.assertEqual(json.loads(out), {"error": {"code": "internal", "message": "fake failure"}})
+
+    def test_lost_and_timeout(self):
+        self.check("close", ["status"], 5, "closed the connection")
+        self.check("silent", ["ping", "--timeout", "0.3"], 5, "no answer within 0.3 s")
+        self.check("garbage", ["tapes"], 5, "pullbackctl")
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
