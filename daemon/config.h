@@ -1,11 +1,29 @@
-/* Daemon settings: defaults, command-line flags, and the socket path
- * chain of the contract (section 1). */
+/* Daemon settings: defaults, a config file, command-line flags, and the
+ * socket path chain of the contract (section 1).
+ *
+ * Every setting has one name, used both as a flag (`--max-tape-bytes 4G`)
+ * and as a config-file key (`max-tape-bytes = 4G`; `max_tape_bytes` is
+ * accepted too).  The file is /etc/pullbackd/pullbackd.conf unless
+ * `--config PATH` names another: one `key = value` per line, blank lines and
+ * lines starting with `#` ignored, and a `#` after a blank starts a trailing
+ * comment.  A missing default file is no error; a missing --config file, an
+ * unknown key, a key given twice or a bad value is.  Precedence: flags over
+ * the file over the built-in defaults; a `socket` key in the file counts as
+ * --socket (above $PULLBACKD_SOCKET and the rest of the chain).
+ *
+ * Reloading (SIGHUP) runs the same load again, flags still winning, and
+ * applies only the reloadable settings: the limits, --drain-timeout and
+ * --log-level.  The socket, its mode, the device and the worker count need
+ * a restart (pb_config_diff says which is which). */
 #ifndef PB_CONFIG_H
 #define PB_CONFIG_H
 
+#include <stdbool.h>
 #include <stddef.h>
 
 #include "../kernels/tensor.h"
+
+#define PB_CONFIG_FILE "/etc/pullbackd/pullbackd.conf"
 
 typedef struct pb_config {
     char socket_path[108];
@@ -19,11 +37,32 @@ typedef struct pb_config {
     size_t max_inflight_per_connection;
     double drain_timeout_s;
     int log_level;
+    /* Where the settings came from: the file that was read ("" when the
+     * default file does not exist), for logs and reloads. */
+    char config_file[256];
 } pb_config_t;
 
-/* Parse argv over the defaults.  Returns 0 to run, 1 when --help or
- * --version was printed (exit 0), -1 on a bad flag (message printed). */
-int pb_config_parse(pb_config_t *c, int argc, char **argv);
+/* Defaults, then the config file (--config, else default_file; NULL: no
+ * default file), then argv's flags.  Returns 0 to run; 1 when --help or
+ * --version was printed to stdout (exit 0); PB_EINVALID_ARGUMENT with a
+ * one-line reason in err (never printed) for a bad flag, a missing
+ * --config file or a bad file.  c is written only on success. */
+int pb_config_load(pb_config_t *c, int argc, char **argv, const char *default_file, char *err, size_t errlen);
+/* Apply the settings of the file at path over c.  A missing file is
+ * PB_EINVALID_ARGUMENT when required, else 0 with c untouched.  Errors say
+ * "PATH:LINE: key: why" in err; c is then partly updated, so parse into a
+ * copy.  Keys in skip_mask (bit i: the i-th key of pb_config_keys) are
+ * checked but not applied: the flags that override them. */
+int pb_config_read_file(pb_config_t *c, const char *path, bool required, unsigned skip_mask, char *err,
+                        size_t errlen);
+/* Set one setting by its flag or key name from its text, as a flag or a
+ * file line would.  0, or PB_EINVALID_ARGUMENT with the reason in err. */
+int pb_config_set(pb_config_t *c, const char *key, const char *value, char *err, size_t errlen);
+/* Call fn for every setting whose value differs between a and b, with
+ * both values as text and whether a reload may apply it. */
+void pb_config_diff(const pb_config_t *a, const pb_config_t *b,
+                    void (*fn)(const char *key, const char *from, const char *to, bool reloadable, void *ctx),
+                    void *ctx);
 /* Parse "cpu", "cuda", "cuda:N" into d; 0, or PB_EINVALID_ARGUMENT. */
 int pb_device_parse(const char *s, size_t len, pb_device_t *d);
 /* Parse "123", "64K", "256M", "4G" (binary units). */

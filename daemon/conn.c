@@ -87,7 +87,9 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
             size_t ncap = c->cap ? c->cap * 2 : READ_CHUNK * 2;
             while (ncap - c->len < READ_CHUNK)
                 ncap *= 2;
-            if (ncap > most && most - c->len >= READ_CHUNK)
+            /* most can lie below len when a reload lowered the limit
+             * under a message being read: the scan refuses it then. */
+            if (ncap > most && most >= c->len + READ_CHUNK)
                 ncap = most;
             char *nb = realloc(c->buf, ncap);
             if (nb == NULL) {

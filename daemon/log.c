@@ -19,6 +19,11 @@ int pb_log_parse_level(const char *s)
     return -1;
 }
 
+const char *pb_log_level_name(int level)
+{
+    return level >= 3 && level <= 7 ? names[level] : "?";
+}
+
 void pb_log(int level, const char *fmt, ...)
 {
     if (level > pb_log_level)

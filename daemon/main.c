@@ -6,14 +6,22 @@
 #include "../kernels/tensor.h"
 #include "config.h"
 #include "log.h"
+#include "sd.h"
 #include "server.h"
 
 int main(int argc, char **argv)
 {
     pb_config_t cfg;
-    int rc = pb_config_parse(&cfg, argc, argv);
-    if (rc)
+    char err[512];
+    int rc = pb_config_load(&cfg, argc, argv, PB_CONFIG_FILE, err, sizeof err);
+    if (rc) {
+        if (rc < 0) {
+            /* Before the log level is known: an error line always shows. */
+            pb_log(PB_LOG_ERR, "bad configuration: %s (%s)", err, pb_strerror_code(rc));
+            pb_sd_notify("STATUS=bad configuration: %.200s", err);
+        }
         return rc > 0 ? 0 : 2;
+    }
     pb_log_level = cfg.log_level;
     if (cfg.device.kind != PB_DEV_CPU) {
         pb_log(PB_LOG_ERR, "--device cuda:%d: this daemon has no CUDA devices (built without the CUDA backend)",
@@ -24,8 +32,9 @@ int main(int argc, char **argv)
     signal(SIGPIPE, SIG_IGN);
     uv_loop_t *loop = uv_default_loop();
     pb_server_t srv;
-    if ((rc = pb_server_init(&srv, loop, &cfg))) {
-        pb_log(PB_LOG_ERR, "startup failed: %s", rc < -100 ? uv_strerror(rc) : "internal error");
+    if ((rc = pb_server_init(&srv, loop, &cfg, argc, argv, PB_CONFIG_FILE))) {
+        pb_log(PB_LOG_ERR, "startup failed: %s (%s)", rc < -100 ? uv_strerror(rc) : pb_strerror(rc),
+               rc < -100 ? uv_err_name(rc) : pb_strerror_code(rc));
         return 1;
     }
     if (pb_server_listen(&srv)) {

@@ -27,6 +27,10 @@ static void *worker_main(void *arg)
 {
     pb_pool_t *p = arg;
     pthread_mutex_lock(&p->lock);
+    /* A worker is ready once it waits for jobs (a GPU worker: once its
+     * device handles exist); pb_pool_init returns after all are. */
+    p->started++;
+    pthread_cond_broadcast(&p->cond);
     for (;;) {
         pb_job_t *j = q_pop(&p->todo[PB_DEV_CPU]);
         if (j == NULL) {
@@ -83,6 +87,11 @@ int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n)
             break;
         p->nthreads++;
     }
+    /* systemd hears READY=1 only after this: every worker is running. */
+    pthread_mutex_lock(&p->lock);
+    while (p->started < p->nthreads)
+        pthread_cond_wait(&p->cond, &p->lock);
+    pthread_mutex_unlock(&p->lock);
     return p->nthreads ? 0 : UV_EAGAIN;
 }
 

@@ -85,13 +85,14 @@ static void finish(pb_req_t *r)
             r->encode(r, &o);
         }
         pb_conn_send(c, &o);
-    } else if (r->notify && r->rc) {
-        pb_log(PB_LOG_NOTICE, "connection %llu: notification failed: %s: %s", (unsigned long long)c->id,
-               pb_strerror_code(r->rc), r->err.message);
     }
-    if (r->rc && r->rc != PB_EUNKNOWN_TAPE)
-        pb_log(PB_LOG_DEBUG, "connection %llu: msgid %u: %s: %s", (unsigned long long)c->id, r->msgid,
-               pb_strerror_code(r->rc), r->err.message);
+    /* A failed request is the client's business (debug), unless the
+     * daemon itself failed it: out of memory or an internal error. */
+    if (r->rc && r->rc != PB_EUNKNOWN_TAPE) {
+        bool ours = r->rc == PB_ENOMEM || r->rc == PB_EINTERNAL;
+        pb_log(ours ? PB_LOG_WARNING : PB_LOG_DEBUG, "connection %llu: %s %u: %s: %s", (unsigned long long)c->id,
+               r->notify ? "notification" : "msgid", r->msgid, pb_strerror_code(r->rc), r->err.message);
+    }
     req_free(r);
     s->requests_in_flight--;
     s->requests_served++;
@@ -1077,6 +1078,9 @@ static void m_admin(pb_req_t *r, const msgpack_object *params, bool shutdown)
     if (!admin(r)) {
         pb_err_set(&r->err, PB_EPERMISSION_DENIED, NULL, "%s is allowed only for uid 0 and the daemon's uid %u",
                    shutdown ? "shutdown" : "drain", (unsigned)r->srv->self_uid);
+        pb_log(PB_LOG_WARNING, "connection %llu: %s refused for uid %u, pid %d (permission_denied)",
+               (unsigned long long)r->conn->id, shutdown ? "shutdown" : "drain", (unsigned)r->conn->uid,
+               (int)r->conn->pid);
         return fail(r, PB_EPERMISSION_DENIED);
     }
     r->srv->draining = true;

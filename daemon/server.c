@@ -13,6 +13,10 @@
 #include "../kernels/blas.h"
 #include "log.h"
 #include "rpc.h"
+#include "sd.h"
+
+/* How often STATUS= is refreshed (only sent when its text changed). */
+#define STATUS_INTERVAL_MS 2000
 
 static void on_connection(uv_stream_t *l, int status)
 {
@@ -40,6 +44,40 @@ static void on_signal(uv_signal_t *h, int sig)
     pb_server_stop(h->data);
 }
 
+static void on_sighup(uv_signal_t *h, int sig)
+{
+    (void)sig;
+    pb_server_reload(h->data);
+}
+
+/* The STATUS= text for systemctl status: what the daemon holds and has
+ * done.  True when it changed since the last one sent. */
+static bool update_status(pb_server_t *s)
+{
+    char st[sizeof s->status];
+    snprintf(st, sizeof st, "%s%zu connections, %zu tapes held (%zu bytes), %llu requests served",
+             s->stopping ? "draining: " : s->draining ? "drained (no new forward calls): " : "",
+             s->nconns, s->tapes.count, s->tapes.bytes, (unsigned long long)s->requests_served);
+    if (strcmp(st, s->status) == 0)
+        return false;
+    memcpy(s->status, st, sizeof st);
+    return true;
+}
+
+static void on_status(uv_timer_t *t)
+{
+    pb_server_t *s = t->data;
+    if (update_status(s))
+        pb_sd_notify("STATUS=%s", s->status);
+}
+
+/* From the loop thread: if the loop is stuck, the pings stop. */
+static void on_watchdog(uv_timer_t *t)
+{
+    (void)t;
+    pb_sd_notify("WATCHDOG=1");
+}
+
 static void on_drain_timeout(uv_timer_t *t)
 {
     pb_server_t *s = t->data;
@@ -50,11 +88,15 @@ static void on_drain_timeout(uv_timer_t *t)
     pb_server_maybe_finish(s);
 }
 
-int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg)
+int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int argc, char **argv,
+                   const char *default_config)
 {
     memset(s, 0, sizeof *s);
     s->loop = loop;
     s->cfg = *cfg;
+    s->argc = argc;
+    s->argv = argv;
+    s->default_config = default_config;
     s->self_uid = getuid();
     s->start_ms = uv_now(loop);
     pb_blas_init_threads(1);
@@ -74,9 +116,16 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg)
     s->drain_timer.data = s;
     uv_signal_init(loop, &s->sigterm);
     uv_signal_init(loop, &s->sigint);
-    s->sigterm.data = s->sigint.data = s;
+    uv_signal_init(loop, &s->sighup);
+    s->sigterm.data = s->sigint.data = s->sighup.data = s;
     uv_signal_start(&s->sigterm, on_signal, SIGTERM);
     uv_signal_start(&s->sigint, on_signal, SIGINT);
+    uv_signal_start(&s->sighup, on_sighup, SIGHUP);
+    uv_timer_init(loop, &s->status_timer);
+    uv_timer_init(loop, &s->watchdog_timer);
+    s->status_timer.data = s->watchdog_timer.data = s;
+    uv_unref((uv_handle_t *)&s->status_timer);
+    uv_unref((uv_handle_t *)&s->watchdog_timer);
     return 0;
 }
 
@@ -93,8 +142,62 @@ static bool socket_alive(const char *path)
     return alive;
 }
 
+/* The socket systemd passed: 1 when taken, 0 when there is none, or an
+ * error (logged). */
+static int listen_activated(pb_server_t *s)
+{
+    char err[256], path[sizeof s->cfg.socket_path];
+    int fd;
+    int rc = pb_sd_listen_fd(&fd, path, sizeof path, err, sizeof err);
+    if (rc <= 0) {
+        if (rc < 0)
+            pb_log(PB_LOG_ERR, "socket activation: %s (%s)", err, pb_strerror_code(rc));
+        return rc;
+    }
+    uv_pipe_init(s->loop, &s->listener, 0);
+    s->listener.data = s;
+    if ((rc = uv_pipe_open(&s->listener, fd)) == 0)
+        rc = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection);
+    if (rc) {
+        pb_log(PB_LOG_ERR, "cannot listen on the socket from systemd (%s): %s (%s)", path, uv_strerror(rc),
+               uv_err_name(rc));
+        uv_close((uv_handle_t *)&s->listener, NULL);
+        return rc;
+    }
+    /* The path is for logs only: the socket file is systemd's. */
+    snprintf(s->cfg.socket_path, sizeof s->cfg.socket_path, "%s", path);
+    s->activated = true;
+    return 1;
+}
+
+static void ready(pb_server_t *s)
+{
+    pb_log(PB_LOG_NOTICE, "listening on %s%s (%d workers, max message %zu bytes%s%s)", s->cfg.socket_path,
+           s->activated ? " (socket from systemd)" : "", s->cfg.workers, s->cfg.max_message_bytes,
+           s->cfg.config_file[0] ? ", config " : "", s->cfg.config_file);
+    if (!pb_sd_notify_enabled())
+        return;
+    update_status(s);
+    pb_sd_notify("READY=1\nSTATUS=%s", s->status);
+    uv_timer_start(&s->status_timer, on_status, STATUS_INTERVAL_MS, STATUS_INTERVAL_MS);
+    uint64_t wd = pb_sd_watchdog_usec();
+    if (wd) {
+        uint64_t ms = wd / 2000;
+        uv_timer_start(&s->watchdog_timer, on_watchdog, 0, ms ? ms : 1);
+        pb_log(PB_LOG_INFO, "watchdog: WATCHDOG=1 every %llu ms", (unsigned long long)(ms ? ms : 1));
+    }
+}
+
 int pb_server_listen(pb_server_t *s)
 {
+    int rc = listen_activated(s);
+    if (rc < 0)
+        return rc;
+    if (rc > 0) {
+        s->listening = true;
+        ready(s);
+        return 0;
+    }
     const char *path = s->cfg.socket_path;
     struct stat st;
     if (lstat(path, &st) == 0) {
@@ -113,21 +216,88 @@ int pb_server_listen(pb_server_t *s)
     s->listener.data = s;
     /* Bind with a umask that keeps the socket private until chmod. */
     mode_t old = umask(0177);
-    int rc = uv_pipe_bind(&s->listener, path);
+    rc = uv_pipe_bind(&s->listener, path);
     umask(old);
     if (rc == 0 && chmod(path, (mode_t)s->cfg.socket_mode) != 0)
         rc = -errno;
     if (rc == 0)
         rc = uv_listen((uv_stream_t *)&s->listener, 1024, on_connection);
     if (rc) {
-        pb_log(PB_LOG_ERR, "cannot listen on %s: %s", path, uv_strerror(rc));
+        pb_log(PB_LOG_ERR, "cannot listen on %s: %s (%s)", path, uv_strerror(rc), uv_err_name(rc));
         uv_close((uv_handle_t *)&s->listener, NULL);
         return rc;
     }
     s->listening = true;
-    pb_log(PB_LOG_NOTICE, "listening on %s (%d workers, max message %zu bytes)", path, s->cfg.workers,
-           s->cfg.max_message_bytes);
+    ready(s);
     return 0;
+}
+
+/* Close the listener; its file goes too unless it is systemd's. */
+static void close_listener(pb_server_t *s)
+{
+    if (!s->listening)
+        return;
+    uv_close((uv_handle_t *)&s->listener, NULL);
+    s->listening = false;
+    if (!s->activated)
+        unlink(s->cfg.socket_path);
+}
+
+typedef struct reload_ctx {
+    pb_server_t *s;
+    int applied, refused;
+} reload_ctx_t;
+
+static void reload_change(const char *key, const char *from, const char *to, bool reloadable, void *ctx)
+{
+    reload_ctx_t *r = ctx;
+    if (!reloadable) {
+        /* The activated socket's path comes from systemd, not the config. */
+        if (strcmp(key, "socket") == 0 && r->s->activated)
+            return;
+        pb_log(PB_LOG_WARNING, "reload: %s changed from %s to %s, which needs a restart; still %s", key, from, to,
+               from);
+        r->refused++;
+        return;
+    }
+    pb_log(PB_LOG_NOTICE, "reload: %s %s -> %s", key, from, to);
+    r->applied++;
+}
+
+void pb_server_reload(pb_server_t *s)
+{
+    if (s->stopping)
+        return;
+    pb_sd_notify("RELOADING=1");
+    pb_config_t n;
+    char err[512];
+    int rc = pb_config_load(&n, s->argc, s->argv, s->default_config, err, sizeof err);
+    if (rc != 0) {
+        pb_log(PB_LOG_ERR, "reload failed, keeping the running configuration: %s (%s)",
+               rc < 0 ? err : "help or version requested", pb_strerror_code(rc < 0 ? rc : PB_EINVALID_ARGUMENT));
+        pb_sd_notify("READY=1\nSTATUS=reload failed: %.200s", rc < 0 ? err : "bad flags");
+        return;
+    }
+    reload_ctx_t ctx = {.s = s};
+    pb_config_diff(&s->cfg, &n, reload_change, &ctx);
+    pb_config_t *c = &s->cfg;
+    c->max_message_bytes = n.max_message_bytes;
+    c->max_tape_bytes = n.max_tape_bytes;
+    c->max_tape_bytes_per_uid = n.max_tape_bytes_per_uid;
+    c->max_tapes_per_connection = n.max_tapes_per_connection;
+    c->max_inflight_per_connection = n.max_inflight_per_connection;
+    c->drain_timeout_s = n.drain_timeout_s;
+    c->log_level = n.log_level;
+    memcpy(c->config_file, n.config_file, sizeof c->config_file);
+    s->tapes.max_bytes = n.max_tape_bytes;
+    s->tapes.max_bytes_per_uid = n.max_tape_bytes_per_uid;
+    pb_log_level = n.log_level;
+    pb_log(PB_LOG_NOTICE, "reloaded %s: %d settings changed, %d need a restart",
+           n.config_file[0] ? n.config_file : "(no config file)", ctx.applied, ctx.refused);
+    /* A changed in-flight limit needs no wake-up: a connection paused by
+     * the old one has a request in flight, whose end re-checks the limit. */
+    update_status(s);
+    pb_sd_notify("READY=1\nSTATUS=%s", s->status);
 }
 
 void pb_server_stop(pb_server_t *s)
@@ -136,11 +306,9 @@ void pb_server_stop(pb_server_t *s)
         return;
     s->stopping = true;
     s->draining = true;
-    if (s->listening) {
-        uv_close((uv_handle_t *)&s->listener, NULL);
-        s->listening = false;
-        unlink(s->cfg.socket_path);
-    }
+    close_listener(s);
+    update_status(s);
+    pb_sd_notify("STOPPING=1\nSTATUS=%s", s->status);
     /* What each client sent before now is served: bytes buffered here plus
      * those still waiting in the socket. */
     for (pb_conn_t *c = s->conns; c; c = c->next) {
@@ -188,11 +356,12 @@ void pb_server_destroy(pb_server_t *s)
     uv_close((uv_handle_t *)&s->drain_timer, close_cb_noop);
     uv_close((uv_handle_t *)&s->sigterm, close_cb_noop);
     uv_close((uv_handle_t *)&s->sigint, close_cb_noop);
-    if (s->listening) {
-        uv_close((uv_handle_t *)&s->listener, NULL);
-        unlink(s->cfg.socket_path);
-        s->listening = false;
-    }
+    uv_close((uv_handle_t *)&s->sighup, close_cb_noop);
+    uv_close((uv_handle_t *)&s->status_timer, close_cb_noop);
+    uv_close((uv_handle_t *)&s->watchdog_timer, close_cb_noop);
+    close_listener(s);
     uv_run(s->loop, UV_RUN_DEFAULT);
+    if (s->tapes.count)
+        pb_log(PB_LOG_NOTICE, "freeing %zu tapes still held (%zu bytes)", s->tapes.count, s->tapes.bytes);
     pb_tapes_destroy(&s->tapes);
 }

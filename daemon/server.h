@@ -10,6 +10,11 @@
  *               (pb_req_t, rpc.h).
  *   in flight   dispatched and not yet answered; past
  *               max_inflight_per_connection the daemon stops reading.
+ *   activated   the listening socket came from systemd (sd.h): the daemon
+ *               did not bind it and leaves its file alone on exit.
+ *   reload      SIGHUP: the config is loaded again and the limits, drain
+ *               timeout and log level change in place; connections, tapes
+ *               and requests in flight are untouched.
  *
  * Ownership: the server owns its connections.  A connection is freed when
  * its handle's close callback has run and no request refers to it (refs
@@ -62,8 +67,16 @@ typedef struct pb_server {
     pb_config_t cfg;
     uv_pipe_t listener;
     bool listening;
-    uv_signal_t sigterm, sigint;
+    uv_signal_t sigterm, sigint, sighup;
     uv_timer_t sweep, drain_timer;
+    uv_timer_t status_timer;       /* STATUS= to systemd, when notifying */
+    uv_timer_t watchdog_timer;     /* WATCHDOG=1, when systemd asks for it */
+    bool activated;                /* listener fd passed by systemd */
+    char status[160];              /* last STATUS= sent */
+    /* What a reload parses again (main's argv; flags still win). */
+    int argc;
+    char **argv;
+    const char *default_config;
     uv_check_t flush;
     pb_pool_t pool;
     pb_tapes_t tapes;
@@ -79,8 +92,16 @@ typedef struct pb_server {
     uid_t self_uid;
 } pb_server_t;
 
-int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg);
+/* Start the workers and the loop's handles.  argc/argv and default_config
+ * are kept (not copied) for SIGHUP reloads; they must outlive the server. */
+int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int argc, char **argv,
+                   const char *default_config);
+/* Take the socket systemd passed, or bind cfg.socket_path; then tell
+ * systemd READY=1.  0 or a negative error (logged). */
 int pb_server_listen(pb_server_t *s);
+/* SIGHUP: load the config again and apply what may change in place; a bad
+ * file is logged and changes nothing. */
+void pb_server_reload(pb_server_t *s);
 /* Begin the graceful stop of SIGTERM / shutdown. */
 void pb_server_stop(pb_server_t *s);
 /* Exit when stopping and nothing is left in flight. */

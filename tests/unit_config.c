@@ -1,0 +1,300 @@
+/* unit.config: daemon settings (daemon/config.c): the config file's syntax,
+ * its errors, flags over the file over the defaults, and what a reload may
+ * change.  Reloading a running daemon is tested end to end (e2e.reload). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "daemon/config.h"
+#include "daemon/log.h"
+#include "proto/errors.h"
+
+static char dir[64];
+static int nfiles;
+
+/* A file holding text; its path is in a static buffer per call. */
+static const char *file_with(const char *text)
+{
+    static char paths[32][96];
+    char *p = paths[nfiles++ % 32];
+    snprintf(p, 96, "%s/f%d.conf", dir, nfiles);
+    FILE *f = fopen(p, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+    return p;
+}
+
+/* Load with argv "pullbackd" + args (NULL-terminated). */
+static int load(pb_config_t *c, const char *default_file, char *err, size_t len, ...)
+{
+    char *argv[32] = {"pullbackd"};
+    int argc = 1;
+    va_list ap;
+    va_start(ap, len);
+    char *a;
+    while ((a = va_arg(ap, char *)) && argc < 31)
+        argv[argc++] = a;
+    va_end(ap);
+    argv[argc] = NULL;
+    err[0] = 0;
+    return pb_config_load(c, argc, argv, default_file, err, len);
+}
+
+static void defaults_without_file(void **state)
+{
+    (void)state;
+    pb_config_t c;
+    char err[512];
+    char missing[128];
+    snprintf(missing, sizeof missing, "%s/nonexistent.conf", dir);
+    /* A missing default file is fine. */
+    assert_int_equal(load(&c, missing, err, sizeof err, NULL), 0);
+    assert_int_equal(c.max_tape_bytes, (size_t)4 << 30);
+    assert_int_equal(c.max_message_bytes, 256u << 20);
+    assert_int_equal(c.socket_mode, 0660);
+    assert_int_equal(c.log_level, PB_LOG_INFO);
+    assert_string_equal(c.config_file, "");
+    assert_true(c.socket_path[0] != 0);
+    /* No default file at all. */
+    assert_int_equal(load(&c, NULL, err, sizeof err, NULL), 0);
+    assert_int_equal(c.max_tapes_per_connection, 65536);
+}
+
+static void good_file(void **state)
+{
+    (void)state;
+    const char *p = file_with("# pullbackd settings\n"
+                              "\n"
+                              "   # an indented comment\n"
+                              "max-tape-bytes = 4G\n"
+                              "max_tape_bytes_per_uid=512M\n"
+                              "max-tapes-per-connection = 10   # a trailing comment\n"
+                              "\tmax-inflight-per-connection\t=\t7\t\r\n"
+                              "max-message-bytes = 64KiB\n"
+                              "socket = /tmp/x#y.sock\n"
+                              "socket-mode = 0600\n"
+                              "device = cpu\n"
+                              "workers = 3\n"
+                              "drain-timeout = 2.5\n"
+                              "log-level = debug");
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, NULL), 0);
+    assert_int_equal(c.max_tape_bytes, (size_t)4 << 30);
+    assert_int_equal(c.max_tape_bytes_per_uid, (size_t)512 << 20);
+    assert_int_equal(c.max_tapes_per_connection, 10);
+    assert_int_equal(c.max_inflight_per_connection, 7);
+    assert_int_equal(c.max_message_bytes, 64 << 10);
+    assert_string_equal(c.socket_path, "/tmp/x#y.sock"); /* '#' not after a blank: part of the value */
+    assert_int_equal(c.socket_mode, 0600);
+    assert_int_equal(c.workers, 3);
+    assert_true(c.drain_timeout_s == 2.5);
+    assert_int_equal(c.log_level, PB_LOG_DEBUG);
+    assert_string_equal(c.config_file, p);
+    /* The same file as the default. */
+    assert_int_equal(load(&c, p, err, sizeof err, NULL), 0);
+    assert_int_equal(c.workers, 3);
+    assert_string_equal(c.config_file, p);
+}
+
+/* Each bad file is an error naming the file, the line and the key. */
+static void bad_files(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *text, *expect;
+    } cases[] = {
+        {"max-tape-bytes = lots\n", ":1: max-tape-bytes: expected a size"},
+        {"# fine\nmax-tape-byts = 1G\n", ":2: unknown key 'max-tape-byts'"},
+        {"workers 4\n", ":1: expected 'key = value'"},
+        {"workers = 0\n", ":1: workers: expected 1..1024"},
+        {"workers = 4x\n", ":1: workers: expected 1..1024"},
+        {"workers =\n", ":1: workers: missing value"},
+        {"workers = 2\nworkers = 3\n", ":2: workers: given twice (first on line 1)"},
+        {"max-message-bytes = 100\n", ":1: max-message-bytes: expected at least 1024"},
+        {"max-tapes-per-connection = 0\n", ":1: max-tapes-per-connection: expected at least 1"},
+        {"socket-mode = 999\n", ":1: socket-mode: expected an octal mode"},
+        {"socket-mode =  \n", ":1: socket-mode: missing value"},
+        {"device = gpu\n", ":1: device: expected cpu, cuda or cuda:N"},
+        {"drain-timeout = -1\n", ":1: drain-timeout: expected seconds"},
+        {"drain-timeout = inf\n", ":1: drain-timeout: expected seconds"},
+        {"log-level = loud\n", ":1: log-level: expected error"},
+        {"config = /etc/other.conf\n", ":1: unknown key 'config'"},
+        {"= 4\n", ":1: unknown key ''"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const char *p = file_with(cases[i].text);
+        pb_config_t c;
+        memset(&c, 0x5a, sizeof c);
+        pb_config_t before = c;
+        char err[512];
+        int rc = load(&c, NULL, err, sizeof err, "--config", p, NULL);
+        if (rc != PB_EINVALID_ARGUMENT || strncmp(err, p, strlen(p)) != 0 || strstr(err, cases[i].expect) == NULL)
+            fail_msg("case %zu (%s): rc %d, err '%s', expected '%s'", i, cases[i].text, rc, err, cases[i].expect);
+        /* Nothing is written on failure. */
+        assert_memory_equal(&c, &before, sizeof c);
+        /* The same file as the default is just as bad: only a missing one
+         * is forgiven. */
+        assert_int_equal(load(&c, p, err, sizeof err, NULL), PB_EINVALID_ARGUMENT);
+    }
+}
+
+static void missing_explicit_file(void **state)
+{
+    (void)state;
+    char missing[128], err[512];
+    snprintf(missing, sizeof missing, "%s/nonexistent.conf", dir);
+    pb_config_t c;
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", missing, NULL), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, missing));
+    assert_non_null(strstr(err, "No such file"));
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config=", NULL), PB_EINVALID_ARGUMENT);
+    /* A directory is not a config file. */
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", dir, NULL), PB_EINVALID_ARGUMENT);
+}
+
+static void flags_win(void **state)
+{
+    (void)state;
+    const char *p = file_with("max-tape-bytes = 1M\nmax-tapes-per-connection = 5\nlog-level = debug\n"
+                              "socket = /tmp/from-file.sock\n");
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-tapes-per-connection", "7", "--config", p,
+                          "--log-level=warning", NULL), 0);
+    assert_int_equal(c.max_tape_bytes, 1 << 20);      /* the file's */
+    assert_int_equal(c.max_tapes_per_connection, 7);  /* the flag's, given before --config */
+    assert_int_equal(c.log_level, PB_LOG_WARNING);
+    assert_string_equal(c.socket_path, "/tmp/from-file.sock");
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, "--socket", "/tmp/flag.sock", NULL), 0);
+    assert_string_equal(c.socket_path, "/tmp/flag.sock");
+    /* A flag over a bad line does not hide the bad line. */
+    const char *q = file_with("max-tape-bytes = lots\n");
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", q, "--max-tape-bytes", "1G", NULL),
+                     PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "max-tape-bytes"));
+    /* Loading again (a reload) gives the same answer: getopt starts
+     * afresh each time. */
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, "--max-tapes-per-connection", "9", NULL), 0);
+        assert_int_equal(c.max_tapes_per_connection, 9);
+        assert_int_equal(c.max_tape_bytes, 1 << 20);
+    }
+}
+
+static void bad_flags(void **state)
+{
+    (void)state;
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-tape-byts", "1", NULL), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "unknown option '--max-tape-byts'"));
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--workers", NULL), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "--workers: missing value"));
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--workers", "0", NULL), PB_EINVALID_ARGUMENT);
+    assert_string_equal(err, "--workers: expected 1..1024, got '0'");
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--socket-mode", "", NULL), PB_EINVALID_ARGUMENT);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "stray", NULL), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "unexpected argument 'stray'"));
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--version", NULL), 1);
+}
+
+static void socket_chain(void **state)
+{
+    (void)state;
+    pb_config_t c;
+    char err[512];
+    setenv("PULLBACKD_SOCKET", "/tmp/env.sock", 1);
+    assert_int_equal(load(&c, NULL, err, sizeof err, NULL), 0);
+    assert_string_equal(c.socket_path, "/tmp/env.sock");
+    /* The file's socket counts as --socket, above the environment. */
+    const char *p = file_with("socket = /tmp/file.sock\n");
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, NULL), 0);
+    assert_string_equal(c.socket_path, "/tmp/file.sock");
+    unsetenv("PULLBACKD_SOCKET");
+    setenv("RUNTIME_DIRECTORY", "/run/pullbackd:/run/other", 1);
+    assert_int_equal(load(&c, NULL, err, sizeof err, NULL), 0);
+    assert_string_equal(c.socket_path, "/run/pullbackd/pullbackd.sock");
+    unsetenv("RUNTIME_DIRECTORY");
+    char longp[200];
+    memset(longp, 'a', sizeof longp - 1);
+    longp[sizeof longp - 1] = 0;
+    setenv("PULLBACKD_SOCKET", longp, 1);
+    assert_int_equal(load(&c, NULL, err, sizeof err, NULL), PB_EINVALID_ARGUMENT);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--socket", "/tmp/ok.sock", NULL), 0);
+    unsetenv("PULLBACKD_SOCKET");
+}
+
+typedef struct {
+    int n, reloadable;
+    char keys[256];
+} diff_t;
+
+static void on_diff(const char *key, const char *from, const char *to, bool reloadable, void *ctx)
+{
+    diff_t *d = ctx;
+    d->n++;
+    d->reloadable += reloadable;
+    size_t o = strlen(d->keys);
+    snprintf(d->keys + o, sizeof d->keys - o, "%s%s:%s>%s", o ? " " : "", key, from, to);
+}
+
+static void diff_and_set(void **state)
+{
+    (void)state;
+    pb_config_t a, b;
+    char err[512];
+    assert_int_equal(load(&a, NULL, err, sizeof err, "--socket", "/tmp/a.sock", NULL), 0);
+    b = a;
+    diff_t d = {0};
+    pb_config_diff(&a, &b, on_diff, &d);
+    assert_int_equal(d.n, 0);
+    assert_int_equal(pb_config_set(&b, "max-tape-bytes", "2K", err, sizeof err), 0);
+    assert_int_equal(pb_config_set(&b, "log-level", "debug", err, sizeof err), 0);
+    assert_int_equal(pb_config_set(&b, "workers", "5", err, sizeof err), 0);
+    assert_int_equal(pb_config_set(&b, "socket-mode", "0600", err, sizeof err), 0);
+    assert_int_equal(pb_config_set(&b, "device", "cuda:1", err, sizeof err), 0);
+    assert_int_equal(pb_config_set(&b, "nope", "1", err, sizeof err), PB_EINVALID_ARGUMENT);
+    pb_config_diff(&a, &b, on_diff, &d);
+    assert_int_equal(d.n, 5);
+    assert_int_equal(d.reloadable, 2); /* max-tape-bytes, log-level */
+    assert_non_null(strstr(d.keys, "max-tape-bytes:4294967296>2048"));
+    assert_non_null(strstr(d.keys, "log-level:info>debug"));
+    assert_non_null(strstr(d.keys, "socket-mode:0660>0600"));
+    assert_non_null(strstr(d.keys, "device:cpu>cuda:1"));
+}
+
+static int setup(void **state)
+{
+    (void)state;
+    snprintf(dir, sizeof dir, "/tmp/pbconf.XXXXXX");
+    unsetenv("PULLBACKD_SOCKET");
+    return mkdtemp(dir) ? 0 : -1;
+}
+
+static int teardown(void **state)
+{
+    (void)state;
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(defaults_without_file), cmocka_unit_test(good_file),
+        cmocka_unit_test(bad_files),             cmocka_unit_test(missing_explicit_file),
+        cmocka_unit_test(flags_win),             cmocka_unit_test(bad_flags),
+        cmocka_unit_test(socket_chain),          cmocka_unit_test(diff_and_set),
+    };
+    return cmocka_run_group_tests_name("unit.config", tests, setup, teardown);
+}
