@@ -589,7 +589,9 @@ static void enc_ops(pb_req_t *r, pb_out_t *o)
             pb_out_str(o, "type");
             pb_out_str(o, opt_type_names[sp->type]);
             pb_out_str(o, "default");
-            switch (sp->type) {
+            if (sp->def_auto) {
+                msgpack_pack_nil(&o->pk);
+            } else switch (sp->type) {
             case PB_OPT_STR: pb_out_str(o, sp->values ? sp->values[sp->def_index] : ""); break;
             case PB_OPT_BOOL: if (sp->def_re != 0) msgpack_pack_true(&o->pk); else msgpack_pack_false(&o->pk); break;
             case PB_OPT_INT: msgpack_pack_int64(&o->pk, (int64_t)sp->def_re); break;

@@ -100,7 +100,11 @@ static int loss_at(const pb_call_t *c, pb_dtype_t hd, int k, double t, const pb_
     double l = 0;
     for (int o = 0; rc == 0 && o < c->op->noutputs; o++) {
         pb_tensor_t ch = {0};
-        if ((rc = pb_tensor_to_order(&ch, &h.out[o], cot[o].order)) == 0) {
+        if (!pb_tensor_same_shape(&h.out[o], &cot[o]))
+            rc = pb_err_set(err, PB_ENUMERICAL, "inputs",
+                            "output %s changed shape under the finite-difference step (a truncation moved)",
+                            c->op->outputs[o]);
+        else if ((rc = pb_tensor_to_order(&ch, &h.out[o], cot[o].order)) == 0) {
             size_t n = ncomp(&ch);
             for (size_t i = 0; i < n; i++)
                 l += comp_get(&cot[o], i) * comp_get(&ch, i);
@@ -129,7 +133,9 @@ int pb_check_run(pb_call_t *c, uint64_t seed, double *max_rel, double per_input[
     if (rc)
         return rc;
     for (int o = 0; o < c->op->noutputs && rc == 0; o++)
-        rc = random_like(&cot[o], &c->out_meta[o], 'C', &s);
+        rc = random_like(&cot[o], &tape.out_meta[o], 'C', &s);
+    if (rc == 0 && c->op->fd_cotangents)
+        rc = c->op->fd_cotangents(c, cot);
     if (rc == 0)
         rc = pb_op_run_reverse(&tape, cot, grad, 'C', &warn, err);
     for (int k = 0; rc == 0 && k < c->op->nwrt; k++) {
@@ -142,6 +148,8 @@ int pb_check_run(pb_call_t *c, uint64_t seed, double *max_rel, double per_input[
             pb_tensor_clear(&gc);
             break;
         }
+        if (c->op->fd_direction && k < c->op->ninputs)
+            c->op->fd_direction(c, k, &dir);
         double amax = 0;
         if (k >= c->op->ninputs) {
             /* a scalar: a real one (sent as a number) moves along the reals */
@@ -153,7 +161,7 @@ int pb_check_run(pb_call_t *c, uint64_t seed, double *max_rel, double per_input[
         } else
             for (size_t i = 0; i < ncomp(x); i++)
                 amax = fmax(amax, fabs(comp_get(x, i)));
-        double h = 1e-3 * fmax(1.0, amax), l[4];
+        double h = (c->op->fd_step > 0 ? c->op->fd_step : 1e-3) * fmax(1.0, amax), l[4];
         const double ts[4] = {h, -h, 2 * h, -2 * h};
         for (int j = 0; j < 4 && rc == 0; j++)
             rc = loss_at(c, hd, k, ts[j], &dir, cot, &l[j], err);

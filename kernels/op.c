@@ -5,8 +5,16 @@
 #include "act.h"
 
 extern const pb_op_t pb_op_fused_dense, pb_op_tensorcontract, pb_op_tensoradd, pb_op_tensortrace;
+extern const pb_op_t pb_factor_ops[]; /* factor.c, in this order: */
 
-const pb_op_t *const pb_ops[] = {&pb_op_fused_dense, &pb_op_tensorcontract, &pb_op_tensoradd, &pb_op_tensortrace};
+const pb_op_t *const pb_ops[] = {
+    &pb_op_fused_dense,  &pb_op_tensorcontract, &pb_op_tensoradd,    &pb_op_tensortrace,
+    &pb_factor_ops[0],   &pb_factor_ops[1],     &pb_factor_ops[2],   &pb_factor_ops[3],   /* qr_*, lq_compact */
+    &pb_factor_ops[4],   &pb_factor_ops[5],     &pb_factor_ops[6],   &pb_factor_ops[7],   /* lq_*, eigh_* */
+    &pb_factor_ops[8],   &pb_factor_ops[9],     &pb_factor_ops[10],  &pb_factor_ops[11],  /* eigh_trunc, eig_*, svd */
+    &pb_factor_ops[12],  &pb_factor_ops[13],    &pb_factor_ops[14],  &pb_factor_ops[15],  /* svd_*, left_polar */
+    &pb_factor_ops[16],                                                                    /* right_polar */
+};
 const int pb_nops = (int)(sizeof pb_ops / sizeof pb_ops[0]);
 
 const char *const pb_act_names[PB_NACTS + 1] = {

@@ -53,6 +53,7 @@ typedef struct pb_opt_spec {
     const char *const *values; /* allowed strings, NULL-terminated; or NULL */
     int def_index;             /* default for enumerated strings */
     double def_re, def_im;     /* default for numbers (and bool) */
+    bool def_auto;             /* the default depends on the inputs: `ops` shows nil */
     /* Axes and text options have no fixed default: absent means what the
      * op says (identity permutation, untraced axes...); `ops` shows nil. */
 } pb_opt_spec_t;
@@ -108,6 +109,7 @@ typedef struct pb_tapedata {
     pb_tensor_t out_meta[PB_MAX_IO]; /* dtype/shape of outputs; no storage */
     pb_optval_t opt[PB_MAX_OPTS];
     pb_tensor_t saved[PB_MAX_SAVED]; /* op-defined slots, owned */
+    double scalars[4];               /* op-defined numbers (factorizations: max|A_ij|) */
 } pb_tapedata_t;
 
 typedef struct pb_warnings {
@@ -137,6 +139,14 @@ typedef struct pb_op {
      * filled for the bits of tape->wrt, in the given order. */
     int (*reverse[2])(const pb_tapedata_t *tape, const pb_tensor_t *cot, pb_tensor_t *grad, char order,
                       pb_warnings_t *warn, pb_err_t *err);
+    /* For the finite-difference check (check.c), all optional: the step
+     * relative to max|x| (0: 1e-3); a projection of a direction for input
+     * k onto what the op accepts (eigh: the Hermitian part); a projection
+     * of random cotangents onto their gauge-invariant part, given the
+     * call's outputs c->out (0 or PB_ENOMEM). */
+    double fd_step;
+    void (*fd_direction)(const pb_call_t *c, int k, pb_tensor_t *dir);
+    int (*fd_cotangents)(const pb_call_t *c, pb_tensor_t *cot);
 } pb_op_t;
 
 /* The table, and lookup by name (NULL if unknown). */

@@ -1,0 +1,286 @@
+"""The factorizations end to end, against numpy.linalg as an independent reference.
+
+Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_factor.py
+
+Forward values are compared with numpy (LAPACK through another path) in
+the contract's gauge; gradients of gauge-invariant losses written with
+numpy (singular values, eigenvalues, the polar factor, projectors) with
+central differences of those numpy losses in float64/complex128.
+Tolerances: f64/c128 forward 1e-10 relative to max|A|, gradients 1e-6
+relative to ‖Ā‖·‖V‖; f32/c64 forward 1e-4, gradients 1e-3.
+"""
+
+import os
+import sys
+import unittest
+import warnings
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "clients", "python"))
+sys.path.insert(0, HERE)
+import pullbackd  # noqa: E402
+from pullbackd import PullbackError  # noqa: E402
+from daemon_case import DaemonCase  # noqa: E402
+
+DTYPES = [np.float64, np.complex128, np.float32, np.complex64]
+FTOL = {np.float64: 1e-10, np.complex128: 1e-10, np.float32: 1e-4, np.complex64: 1e-4}
+GTOL = {np.float64: 1e-6, np.complex128: 1e-6, np.float32: 1e-3, np.complex64: 1e-3}
+OPS = ["qr_compact", "qr_full", "qr_null", "lq_compact", "lq_full", "lq_null", "eigh_full", "eigh_vals",
+       "eigh_trunc", "eig_full", "eig_vals", "svd_compact", "svd_full", "svd_vals", "svd_trunc", "left_polar",
+       "right_polar"]
+
+
+def cx(dtype):
+    return np.issubdtype(dtype, np.complexfloating)
+
+
+def gauge(V):
+    """The contract's gauge: each column's largest-magnitude entry real and positive."""
+    V = np.array(V, dtype=np.complex128)
+    for j in range(V.shape[1]):
+        i = int(np.argmax(np.abs(V[:, j])))
+        if abs(V[i, j]) > 0:
+            V[:, j] *= np.conj(V[i, j]) / abs(V[i, j])
+    return V
+
+
+class FactorTest(DaemonCase):
+    def setUp(self):
+        self.c = pullbackd.Client(self.path, timeout=30)
+        self.rng = np.random.default_rng(5)
+
+    def tearDown(self):
+        self.c.close()
+
+    def rand(self, shape, dtype, order="C"):
+        a = self.rng.standard_normal(shape)
+        if cx(dtype):
+            a = a + 1j * self.rng.standard_normal(shape)
+        return np.asarray(a.astype(dtype), order=order)
+
+    def herm(self, n, dtype):
+        a = self.rand((n, n), dtype).astype(np.complex128)
+        h = (a + a.conj().T) / 2
+        return (h if cx(dtype) else h.real).astype(dtype)
+
+    def close(self, got, want, dtype, scale, what):
+        err = float(np.max(np.abs(np.asarray(got, dtype=np.complex128) - want))) if np.size(want) else 0.0
+        self.assertLessEqual(err / max(scale, 1.0), FTOL[dtype], f"{what}: error {err}")
+
+    def grad_check(self, op, A, loss, dtype, cot, herm=False, options=None, what=""):
+        """Ā from the daemon for the cotangents `cot`, against central
+        differences of the numpy loss (whose derivative the cotangents are)."""
+        _, tape = self.c.augmented_forward(op, {"A": A}, wrt=["A"], options=options)
+        g = self.c.reverse(tape, cot)["A"]
+        self.assertEqual(g.dtype, np.dtype(dtype))
+        self.assertEqual(g.shape, A.shape)
+        V = self.rand(A.shape, np.complex128 if cx(dtype) else np.float64)
+        if herm:
+            V = (V + V.conj().T) / 2
+        Ah = A.astype(np.complex128 if cx(dtype) else np.float64)
+        h = 1e-5
+        fd = (loss(Ah + h * V) - loss(Ah - h * V)) / (2 * h)
+        an = float(np.real(np.sum(np.conj(g.astype(np.complex128)) * V)))
+        scale = np.linalg.norm(g) * np.linalg.norm(V) + 1e-300
+        self.assertLessEqual(abs(an - fd) / scale, GTOL[dtype], f"{what}: reverse {an}, differences {fd}")
+
+    # ---- forward against numpy ----
+
+    def test_forward_against_numpy(self):
+        for dtype in DTYPES:
+            for m, n in [(7, 5), (6, 6), (5, 8)]:
+                A = self.rand((m, n), dtype, "F" if m == 6 else "C")
+                An = A.astype(np.complex128)
+                s = float(np.max(np.abs(An)))
+                k = min(m, n)
+                # QR with diag(R) >= 0: unique for full rank
+                out = self.c.forward("qr_compact", {"A": A})
+                q, r = np.linalg.qr(An)
+                ph = np.diag(r) / np.abs(np.diag(r))
+                self.close(out["Q"], q * ph, dtype, 1, f"qr Q {dtype} {m}x{n}")
+                self.close(out["R"], np.conj(ph)[:, None] * r, dtype, s, f"qr R {dtype}")
+                out = self.c.forward("lq_compact", {"A": A})
+                q, r = np.linalg.qr(An.conj().T)
+                ph = np.diag(r) / np.abs(np.diag(r))
+                self.close(out["Q"], (q * ph).conj().T, dtype, 1, f"lq Q {dtype}")
+                self.close(out["L"], (np.conj(ph)[:, None] * r).conj().T, dtype, s, f"lq L {dtype}")
+                # SVD: values, and U in the contract's gauge (distinct values)
+                out = self.c.forward("svd_compact", {"A": A}, order="F")
+                u, sv, vh = np.linalg.svd(An, full_matrices=False)
+                self.assertEqual(out["S"].dtype, np.dtype(np.float32 if dtype in (np.float32, np.complex64)
+                                                          else np.float64))
+                self.close(out["S"], sv, dtype, s, f"svd S {dtype}")
+                self.close(out["U"], gauge(u), dtype, 1, f"svd U {dtype}")
+                self.close(out["U"] * out["S"] @ out["Vh"], An, dtype, s, f"svd USVh {dtype}")
+                self.assertTrue(out["U"].flags.f_contiguous)
+                self.close(self.c.forward("svd_vals", {"A": A})["S"], sv, dtype, s, "svd_vals")
+                full = self.c.forward("svd_full", {"A": A})
+                self.assertEqual(full["U"].shape, (m, m))
+                self.assertEqual(full["Vh"].shape, (n, n))
+                self.close(full["U"].conj().T @ full["U"], np.eye(m), dtype, 1, "svd_full U unitary")
+                # null spaces
+                N = self.c.forward("qr_null", {"A": A})["N"]
+                self.assertEqual(N.shape, (m, m - k))
+                self.close(N.conj().T @ An, np.zeros((m - k, n)), dtype, s, "qr_null")
+                N = self.c.forward("lq_null", {"A": A})["N"]
+                self.assertEqual(N.shape, (n - k, n))
+                self.close(An @ N.conj().T, np.zeros((m, n - k)), dtype, s, "lq_null")
+                # polar
+                op = "left_polar" if m >= n else "right_polar"
+                out = self.c.forward(op, {"A": A})
+                W = u @ vh
+                if m >= n:
+                    self.close(out["W"], W, dtype, 1, "left_polar W")
+                    self.close(out["W"] @ out["P"], An, dtype, s, "left_polar WP")
+                else:
+                    self.close(out["Wh"], W, dtype, 1, "right_polar Wh")
+                    self.close(out["P"] @ out["Wh"], An, dtype, s, "right_polar PWh")
+            # eigh and eig
+            H = self.herm(6, dtype)
+            out = self.c.forward("eigh_full", {"A": H})
+            w, v = np.linalg.eigh(H.astype(np.complex128))
+            self.close(out["D"], w, dtype, 1, "eigh D")
+            self.close(out["V"], gauge(v), dtype, 1, "eigh V")
+            self.close(self.c.forward("eigh_vals", {"A": H})["D"], w, dtype, 1, "eigh_vals")
+            A = self.rand((6, 6), dtype)
+            out = self.c.forward("eig_full", {"A": A})
+            self.assertEqual(out["D"].dtype, np.dtype(np.complex64 if dtype in (np.float32, np.complex64)
+                                                      else np.complex128))
+            # a real A through numpy's real path too, whose conjugate pairs are exact
+            w = np.linalg.eigvals(A.astype(np.complex128 if cx(dtype) else np.float64)).astype(np.complex128)
+            w = w[np.lexsort((w.imag, w.real))]
+            self.close(out["D"], w, dtype, 1, "eig D (sorted by real, then imaginary part)")
+            self.close(A.astype(np.complex128) @ out["V"], out["V"] * out["D"], dtype, 10, "eig AV = VD")
+            self.close(np.linalg.norm(out["V"], axis=0), np.ones(6), dtype, 1, "eig unit columns")
+            self.close(self.c.forward("eig_vals", {"A": A})["D"], w, dtype, 1, "eig_vals")
+
+    # ---- gradients of gauge-invariant losses written in numpy ----
+
+    def test_gradients_against_numpy(self):
+        for dtype in DTYPES:
+            A = self.rand((7, 5), dtype)
+            w = self.rng.standard_normal(5)
+            # svd_vals: L = Σ w_i σ_i
+            self.grad_check("svd_vals", A, lambda X: float(w @ np.linalg.svd(X, compute_uv=False)), dtype,
+                            {"S": w.astype(np.float32 if dtype in (np.float32, np.complex64) else np.float64)},
+                            what=f"svd_vals {dtype}")
+            # left_polar: L = Re tr(Cᴴ W)
+            C = self.rand((7, 5), dtype).astype(np.complex128 if cx(dtype) else np.float64)
+
+            def polar_loss(X, C=C):
+                u, _, vh = np.linalg.svd(X, full_matrices=False)
+                return float(np.real(np.sum(np.conj(C) * (u @ vh))))
+            self.grad_check("left_polar", A, polar_loss, dtype, {"W": C.astype(dtype)}, what=f"left_polar {dtype}")
+            # eigh_vals: L = Σ w_i λ_i (Hermitian directions)
+            H = self.herm(5, dtype)
+            self.grad_check("eigh_vals", H, lambda X: float(w @ np.linalg.eigvalsh((X + X.conj().T) / 2)), dtype,
+                            {"D": w.astype(np.float32 if dtype in (np.float32, np.complex64) else np.float64)},
+                            herm=True, what=f"eigh_vals {dtype}")
+            # qr_compact: L = Re tr(Cᴴ·Q₁Q₁ᴴ) (a projector: no gauge), ΔQ = (C + Cᴴ)·Q
+            S = self.rand((7, 7), dtype).astype(np.complex128 if cx(dtype) else np.float64)
+
+            def proj_loss(X, S=S):
+                q, _ = np.linalg.qr(X)
+                return float(np.real(np.sum(np.conj(S) * (q @ q.conj().T))))
+            q = self.c.forward("qr_compact", {"A": A})["Q"].astype(np.complex128)
+            dq = (S + S.conj().T) @ q
+            self.grad_check("qr_compact", A, proj_loss, dtype, {"Q": (dq if cx(dtype) else dq.real).astype(dtype)},
+                            what=f"qr_compact {dtype}")
+
+    def test_check_method(self):
+        for op, A in [("svd_compact", self.rand((6, 4), np.float64)), ("eigh_full", self.herm(5, np.complex128)),
+                      ("qr_full", self.rand((6, 4), np.complex128)), ("eig_full", self.rand((5, 5), np.float64)),
+                      ("right_polar", self.rand((3, 6), np.complex128))]:
+            r = self.c.check(op, {"A": A}, wrt=["A"], seed=3)
+            self.assertLessEqual(r["max_rel_err"], 1e-6, op)
+
+    def test_trunc_and_tape(self):
+        A = self.rand((9, 7), np.float64)
+        out, tape = self.c.augmented_forward("svd_trunc", {"A": A}, wrt=["A"], options={"maxrank": 3})
+        self.assertEqual(out["U"].shape, (9, 3))
+        self.assertEqual(out["S"].shape, (3,))
+        self.assertEqual(out["Vh"].shape, (3, 7))
+        self.assertEqual(tape.tape_bytes, 8 * (9 * 7 + 7 + 7 * 7))  # the full compact SVD
+        g = self.c.reverse(tape, {"S": np.ones(3)})["A"]
+        u, s, vh = np.linalg.svd(A, full_matrices=False)
+        np.testing.assert_allclose(g, u[:, :3] @ vh[:3], atol=1e-12)
+        out = self.c.forward("svd_trunc", {"A": A}, options={"maxrank": 0})
+        self.assertEqual(out["U"].shape, (9, 0))
+        H = self.herm(6, np.float64)
+        out = self.c.forward("eigh_trunc", {"A": H}, options={"maxrank": 2})
+        w = np.linalg.eigvalsh(H)
+        want = np.sort(w[np.argsort(-np.abs(w))[:2]])
+        np.testing.assert_allclose(out["D"], want, atol=1e-12)
+        _, tape = self.c.augmented_forward("eigh_vals", {"A": H}, wrt=[])
+        self.assertEqual(tape.tape_bytes, 0)
+        tape.release()
+
+    def test_gauge_warning_and_strict(self):
+        A = self.rand((6, 4), np.complex128)
+        out, tape = self.c.augmented_forward("svd_compact", {"A": A}, wrt=["A"])
+        dU = np.zeros_like(out["U"])
+        dU[:, 0] = 1j * out["U"][:, 0]  # a pure phase rotation of u_1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            self.c.reverse(tape, {"U": dU})
+        self.assertTrue(any("gauge" in str(w.message) for w in caught))
+        self.assertTrue(self.c.last_warnings and "svd_compact" in self.c.last_warnings[0])
+        _, tape = self.c.augmented_forward("svd_compact", {"A": A}, wrt=["A"], options={"strict_gauge": True})
+        with self.assertRaises(PullbackError) as e:
+            self.c.reverse(tape, {"U": dU}, keep=True)
+        self.assertEqual(e.exception.code, "gauge_dependent")
+        # a failed reverse keeps the tape: a gauge-invariant cotangent now works
+        g = self.c.reverse(tape, {"S": np.ones(4)})["A"]
+        self.assertEqual(g.shape, (6, 4))
+
+    def test_errors(self):
+        def code(op, A, options=None, **kw):
+            with self.assertRaises(PullbackError) as e:
+                self.c.forward(op, {"A": A}, options=options, **kw)
+            return e.exception
+
+        self.assertEqual(code("eigh_full", self.rand((3, 4), np.float64)).code, "shape_mismatch")
+        self.assertEqual(code("eig_full", self.rand((4, 3), np.float64)).code, "shape_mismatch")
+        e = code("eigh_full", self.rand((4, 4), np.float64))
+        self.assertEqual(e.code, "invalid_argument")
+        self.assertIn("Hermitian", e.message)
+        self.assertEqual(code("left_polar", self.rand((3, 5), np.float64)).code, "shape_mismatch")
+        self.assertEqual(code("right_polar", self.rand((5, 3), np.float64)).code, "shape_mismatch")
+        self.assertEqual(code("qr_compact", self.rand((2, 2, 2), np.float64)).code, "shape_mismatch")
+        for op in OPS:
+            A = self.rand((4, 3) if op == "left_polar" else (3, 4) if op == "right_polar" else (4, 4), np.float64)
+            A[1, 1] = np.nan
+            self.assertEqual(code(op, A).code, "numerical_error", op)
+            A[1, 1] = np.inf
+            self.assertEqual(code(op, A).code, "numerical_error", op)
+        self.assertEqual(code("svd_compact", self.rand((3, 3), np.float64), {"rank_tol": 1}).code,
+                         "invalid_argument")
+        self.assertEqual(code("svd_trunc", self.rand((3, 3), np.float64), {"maxrank": -1}).code, "invalid_argument")
+        self.assertEqual(code("svd_compact", self.rand((3, 3), np.float64), {"rank_atol": -1.0}).code,
+                         "invalid_argument")
+        # cotangent of S of a complex SVD must be real
+        A = self.rand((4, 3), np.complex128)
+        _, tape = self.c.augmented_forward("svd_compact", {"A": A}, wrt=["A"])
+        with self.assertRaises(PullbackError) as e:
+            self.c.reverse(tape, {"S": np.ones(3, dtype=np.complex128)}, keep=True)
+        self.assertEqual(e.exception.code, "dtype_mismatch")
+        with self.assertRaises(PullbackError) as e:
+            self.c.reverse(tape, {"U": np.ones((4, 4), dtype=np.complex128)}, keep=True)
+        self.assertEqual(e.exception.code, "shape_mismatch")
+        tape.release()
+
+    def test_ops_catalogue(self):
+        ops = self.c.ops()["ops"]
+        for op in OPS:
+            self.assertIn(op, ops)
+            self.assertEqual(set(ops[op]["dtypes"]), {"f32", "f64", "c64", "c128"})
+            self.assertEqual(ops[op]["wrt"], ["A"])
+        self.assertIsNone(ops["svd_compact"]["options"]["rank_atol"]["default"])
+        self.assertEqual(ops["svd_trunc"]["options"]["rtol"]["default"], 0.0)
+        self.assertEqual(ops["qr_compact"]["outputs"], ["Q", "R"])
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)

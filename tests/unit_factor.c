@@ -1,0 +1,905 @@
+/* unit.factor: the factorizations and their pullbacks.
+ *
+ * Reverse against finite differences (pb_check_run: a fourth-order central
+ * difference of the forward taken in double precision, with the op's own
+ * projections: Hermitian directions for eigh, cotangents without their
+ * gauge-dependent part), for every op and dtype on m = 19 with n ∈ {17,
+ * 19, 23} (square-only ops at 19), inputs in C and F order.  Tolerances,
+ * relative to ‖Ā‖·‖v‖: m·n·√eps of the dtype (the issue's bound), and
+ * 1e-6 for f64 and c128.
+ *
+ * Forward: reconstruction, orthonormality, ordering and the gauge of the
+ * contract (largest-magnitude entry of each vector real positive, diag(R)
+ * real ≥ 0), to 100·eps·‖A‖ per entry.  Rank-deficient QR, LQ and SVD;
+ * degenerate spectra with gauge-invariant losses (and the warning or
+ * gauge_dependent for a gauge-dependent cotangent); truncations at rank
+ * 0, in between and full, and that their pullback differs from the naive
+ * one; every input error. */
+#include <complex.h>
+#include <float.h>
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kernels/check.h"
+#include "kernels/op.h"
+
+static uint64_t rng = 0x2545F4914F6CDD1Dull;
+static double urand(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (double)(rng >> 11) * 0x1.0p-53 * 2.0 - 1.0;
+}
+static double nrand(void)
+{
+    double u = (urand() + 1.0) * 0.5 + 1e-300, v = (urand() + 1.0) * 0.5;
+    return sqrt(-2.0 * log(u)) * cos(6.283185307179586 * v);
+}
+
+static const pb_dtype_t dtypes[4] = {PB_F64, PB_C128, PB_F32, PB_C64};
+static bool cplx(pb_dtype_t d) { return d == PB_C64 || d == PB_C128; }
+static bool single(pb_dtype_t d) { return d == PB_F32 || d == PB_C64; }
+static double eps_of(pb_dtype_t d) { return single(d) ? FLT_EPSILON : DBL_EPSILON; }
+
+/* Element (i, j) of a rank-2 tensor (or i of a vector), either order. */
+static size_t off(const pb_tensor_t *t, size_t i, size_t j)
+{
+    if (t->rank == 1)
+        return i;
+    return t->order == 'F' ? j * t->shape[0] + i : i * t->shape[1] + j;
+}
+static double complex get(const pb_tensor_t *t, size_t i, size_t j)
+{
+    const void *p = pb_tensor_data(t);
+    size_t o = off(t, i, j);
+    switch (t->dtype) {
+    case PB_F32: return ((const float *)p)[o];
+    case PB_F64: return ((const double *)p)[o];
+    case PB_C64: return ((const float complex *)p)[o];
+    default: return ((const double complex *)p)[o];
+    }
+}
+static void set(pb_tensor_t *t, size_t i, size_t j, double complex v)
+{
+    void *p = pb_tensor_data(t);
+    size_t o = off(t, i, j);
+    switch (t->dtype) {
+    case PB_F32: ((float *)p)[o] = (float)creal(v); break;
+    case PB_F64: ((double *)p)[o] = creal(v); break;
+    case PB_C64: ((float complex *)p)[o] = (float complex)v; break;
+    default: ((double complex *)p)[o] = v; break;
+    }
+}
+static size_t rows(const pb_tensor_t *t) { return t->shape[0]; }
+static size_t cols(const pb_tensor_t *t) { return t->rank == 2 ? t->shape[1] : 1; }
+
+enum { RANDOM, HERMITIAN, LOWRANK };
+
+/* A random m×n A of dtype d: normal entries, Hermitian (B + Bᴴ), or of
+ * rank min(m, n) − 5 (a product of normal m×r and r×n). */
+static void make_A(pb_tensor_t *A, pb_dtype_t d, int m, int n, char order, int kind)
+{
+    uint64_t sh[2] = {(uint64_t)m, (uint64_t)n};
+    assert_int_equal(pb_tensor_alloc(A, d, 2, sh, order, false), 0);
+    double complex *B = malloc(sizeof *B * (size_t)(m * n + 1));
+    for (int i = 0; i < m * n; i++)
+        B[i] = CMPLX(nrand(), cplx(d) ? nrand() : 0);
+    if (kind == LOWRANK) {
+        int r = (m < n ? m : n) - 5;
+        double complex *X = malloc(sizeof *X * (size_t)(m * r)), *Y = malloc(sizeof *Y * (size_t)(r * n));
+        for (int i = 0; i < m * r; i++)
+            X[i] = CMPLX(nrand(), cplx(d) ? nrand() : 0);
+        for (int i = 0; i < r * n; i++)
+            Y[i] = CMPLX(nrand(), cplx(d) ? nrand() : 0);
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++) {
+                double complex s = 0;
+                for (int l = 0; l < r; l++)
+                    s += X[i * r + l] * Y[l * n + j];
+                B[i * n + j] = s;
+            }
+        free(X);
+        free(Y);
+    }
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++)
+            set(A, (size_t)i, (size_t)j,
+                kind == HERMITIAN ? (B[i * n + j] + conj(B[j * n + i])) * 0.5 : B[i * n + j]);
+    free(B);
+}
+
+static const pb_op_t *op_named(const char *name)
+{
+    const pb_op_t *op = pb_op_find(name, strlen(name));
+    if (op == NULL)
+        fail_msg("no op %s", name);
+    return op;
+}
+
+static void call_init(pb_call_t *c, const char *op, pb_dtype_t d, char order)
+{
+    memset(c, 0, sizeof *c);
+    c->op = op_named(op);
+    c->device = (pb_device_t){PB_DEV_CPU, 0};
+    c->dtype = d;
+    c->order = order;
+}
+
+static void set_opt(pb_call_t *c, const char *name, double v)
+{
+    int i = pb_op_option_index(c->op, name, strlen(name));
+    assert_true(i >= 0);
+    c->opt[i].given = true;
+    c->opt[i].re = v;
+    c->opt[i].i = (long long)v;
+    c->opt[i].b = v != 0;
+}
+
+static bool square_only(const char *op) { return strncmp(op, "eig", 3) == 0; }
+static bool is_eigh(const char *op) { return strncmp(op, "eigh", 4) == 0; }
+
+static const char *const all_ops[] = {"qr_compact", "qr_full",    "qr_null",     "lq_compact",  "lq_full",
+                                      "lq_null",    "eigh_full",  "eigh_vals",   "eigh_trunc",  "eig_full",
+                                      "eig_vals",   "svd_compact", "svd_full",   "svd_vals",    "svd_trunc",
+                                      "left_polar", "right_polar"};
+
+/* The finite-difference check of one call; fails the test past tol. */
+static void fd_check(pb_call_t *c, const char *what)
+{
+    pb_err_t err = {0};
+    c->wrt = 1;
+    c->taped = true;
+    pb_call_defaults(c);
+    if (c->op->validate(c, &err))
+        fail_msg("%s: validate: %s", what, err.message);
+    double worst, per[PB_MAX_IO + 2];
+    if (pb_check_run(c, 11, &worst, per, &err))
+        fail_msg("%s: check: %s", what, err.message);
+    int m = (int)c->in[0].shape[0], n = (int)c->in[0].shape[1];
+    double tol = (double)m * n * sqrt(eps_of(c->dtype));
+    if (!single(c->dtype))
+        tol = fmin(tol, 1e-6);
+    if (!(worst <= tol))
+        fail_msg("%s: gradient error %.3g > %.3g", what, worst, tol);
+    for (int k = 0; k < PB_MAX_IO; k++)
+        pb_tensor_clear(&c->out[k]);
+}
+
+/* Every op, dtype and shape against finite differences. */
+static void fd_all(void **state)
+{
+    (void)state;
+    static const int ns[3] = {17, 19, 23};
+    const char *only = getenv("PB_TEST_OP");
+    for (size_t o = 0; o < sizeof all_ops / sizeof all_ops[0]; o++)
+        for (int di = 0; di < 4; di++)
+            for (int s = 0; s < 3; s++) {
+                const char *name = all_ops[o];
+                if (only && strcmp(only, name) != 0)
+                    continue;
+                int m = 19, n = ns[s];
+                if (square_only(name) && n != 19)
+                    continue;
+                if (strcmp(name, "left_polar") == 0 && n > m)
+                    continue;
+                if (strcmp(name, "right_polar") == 0 && n < m)
+                    continue;
+                char order = (s + di) % 2 ? 'F' : 'C';
+                pb_call_t c;
+                call_init(&c, name, dtypes[di], order);
+                make_A(&c.in[0], dtypes[di], m, n, order, is_eigh(name) ? HERMITIAN : RANDOM);
+                if (strstr(name, "trunc"))
+                    set_opt(&c, "maxrank", 7);
+                char what[96];
+                snprintf(what, sizeof what, "%s %s %dx%d %c", name, pb_dtype_name(dtypes[di]), m, n, order);
+                fd_check(&c, what);
+                pb_call_clear(&c);
+            }
+}
+
+/* ---- forward properties ---- */
+
+/* max |X·Y − Z| over entries, X (a×b), Y (b×c) tensors; Y may be a vector
+ * meaning diag(Y) when diag is set. */
+static double complex dotrow(const pb_tensor_t *X, size_t i, const pb_tensor_t *Y, size_t j, bool adjX, bool adjY)
+{
+    size_t K = adjX ? rows(X) : cols(X);
+    double complex s = 0;
+    for (size_t l = 0; l < K; l++) {
+        double complex x = adjX ? conj(get(X, l, i)) : get(X, i, l);
+        double complex y = adjY ? conj(get(Y, j, l)) : get(Y, l, j);
+        s += x * y;
+    }
+    return s;
+}
+
+/* ‖XᴴX − I‖ (columns orthonormal) or ‖XXᴴ − I‖ (rows). */
+static double orth_err(const pb_tensor_t *X, bool by_rows)
+{
+    size_t n = by_rows ? rows(X) : cols(X);
+    double e = 0;
+    for (size_t i = 0; i < n; i++)
+        for (size_t j = 0; j < n; j++) {
+            double complex s = by_rows ? dotrow(X, i, X, j, false, true) : dotrow(X, i, X, j, true, false);
+            e = fmax(e, cabs(s - (i == j ? 1.0 : 0.0)));
+        }
+    return e;
+}
+
+/* The contract's gauge: each column's largest-magnitude entry (first on a
+ * tie) is real and positive. */
+static void check_gauge(const pb_tensor_t *V, double tol, const char *what)
+{
+    for (size_t j = 0; j < cols(V); j++) {
+        size_t best = 0;
+        for (size_t i = 1; i < rows(V); i++)
+            if (cabs(get(V, i, j)) > cabs(get(V, best, j)))
+                best = i;
+        double complex v = get(V, best, j);
+        if (!(creal(v) > 0 && fabs(cimag(v)) <= tol))
+            fail_msg("%s: column %zu's largest entry is %g%+gi", what, j, creal(v), cimag(v));
+    }
+}
+
+/* A ≈ X·diag(s)·Y (s NULL: X·Y). */
+static double recon_err(const pb_tensor_t *A, const pb_tensor_t *X, const pb_tensor_t *s, const pb_tensor_t *Y)
+{
+    double e = 0;
+    for (size_t i = 0; i < rows(A); i++)
+        for (size_t j = 0; j < cols(A); j++) {
+            double complex z = 0;
+            for (size_t l = 0; l < cols(X) && l < rows(Y); l++)
+                z += get(X, i, l) * (s ? get(s, l, 0) : 1.0) * get(Y, l, j);
+            e = fmax(e, cabs(z - get(A, i, j)));
+        }
+    return e;
+}
+
+static void run_forward(pb_call_t *c)
+{
+    pb_err_t err = {0};
+    pb_call_defaults(c);
+    if (c->op->validate(c, &err) || pb_op_run_forward(c, NULL, &err))
+        fail_msg("%s: %s", c->op->name, err.message);
+}
+
+static void forward_props(void **state)
+{
+    (void)state;
+    static const int ns[3] = {17, 19, 23};
+    for (int di = 0; di < 4; di++)
+        for (int s = 0; s < 3; s++) {
+            pb_dtype_t d = dtypes[di];
+            int m = 19, n = ns[s], k = m < n ? m : n;
+            char order = s == 1 ? 'F' : 'C';
+            double tol = 200 * eps_of(d) * (m + n);
+            pb_call_t c;
+            char what[64];
+            /* QR / LQ: A = QR, orthonormal Q, R upper with real diag ≥ 0 */
+            const char *qrs[4] = {"qr_compact", "qr_full", "lq_compact", "lq_full"};
+            for (int q = 0; q < 4; q++) {
+                call_init(&c, qrs[q], d, order);
+                make_A(&c.in[0], d, m, n, order, RANDOM);
+                run_forward(&c);
+                snprintf(what, sizeof what, "%s %s %dx%d", qrs[q], pb_dtype_name(d), m, n);
+                bool lq = q >= 2;
+                const pb_tensor_t *Q = &c.out[lq ? 1 : 0], *Rt = &c.out[lq ? 0 : 1];
+                assert_true(recon_err(&c.in[0], &c.out[0], NULL, &c.out[1]) <= tol);
+                assert_true(orth_err(Q, lq) <= tol);
+                for (size_t i = 0; i < rows(Rt); i++)
+                    for (size_t j = 0; j < cols(Rt); j++) {
+                        double complex v = get(Rt, i, j);
+                        if ((lq ? j > i : i > j) && cabs(v) != 0)
+                            fail_msg("%s: not triangular at (%zu, %zu)", what, i, j);
+                        if (i == j && !(creal(v) >= 0 && cimag(v) == 0))
+                            fail_msg("%s: diagonal %zu is %g%+gi", what, i, creal(v), cimag(v));
+                    }
+                pb_call_clear(&c);
+            }
+            /* null spaces */
+            for (int q = 0; q < 2; q++) {
+                call_init(&c, q ? "lq_null" : "qr_null", d, order);
+                make_A(&c.in[0], d, m, n, order, RANDOM);
+                run_forward(&c);
+                const pb_tensor_t *N = &c.out[0], *A = &c.in[0];
+                assert_int_equal(q ? rows(N) : cols(N), (size_t)((q ? n : m) - k));
+                assert_true(orth_err(N, q) <= tol);
+                for (size_t i = 0; i < (q ? rows(A) : cols(A)); i++)
+                    for (size_t j = 0; j < (q ? rows(N) : cols(N)); j++)
+                        assert_true(cabs(q ? dotrow(A, i, N, j, false, true) : dotrow(A, i, N, j, true, false)) <=
+                                    tol * 10);
+                pb_call_clear(&c);
+            }
+            /* SVD: A = U·S·Vh, descending S, the gauge */
+            const char *svds[2] = {"svd_compact", "svd_full"};
+            for (int q = 0; q < 2; q++) {
+                call_init(&c, svds[q], d, order);
+                make_A(&c.in[0], d, m, n, order, RANDOM);
+                run_forward(&c);
+                snprintf(what, sizeof what, "%s %s %dx%d", svds[q], pb_dtype_name(d), m, n);
+                assert_true(recon_err(&c.in[0], &c.out[0], &c.out[1], &c.out[2]) <= tol * 10);
+                assert_true(orth_err(&c.out[0], false) <= tol);
+                assert_true(orth_err(&c.out[2], true) <= tol);
+                assert_int_equal(c.out[1].dtype, pb_dtype_real(d));
+                for (int i = 1; i < k; i++)
+                    assert_true(creal(get(&c.out[1], (size_t)i - 1, 0)) >= creal(get(&c.out[1], (size_t)i, 0)));
+                check_gauge(&c.out[0], tol, what);
+                pb_call_clear(&c);
+            }
+            /* polar */
+            if (n != 19) {
+                bool right = n > m;
+                call_init(&c, right ? "right_polar" : "left_polar", d, order);
+                make_A(&c.in[0], d, m, n, order, RANDOM);
+                run_forward(&c);
+                const pb_tensor_t *W = &c.out[right ? 1 : 0], *P = &c.out[right ? 0 : 1];
+                assert_true(recon_err(&c.in[0], &c.out[0], NULL, &c.out[1]) <= tol * 10);
+                assert_true(orth_err(W, right) <= tol);
+                for (size_t i = 0; i < rows(P); i++)
+                    for (size_t j = 0; j < rows(P); j++)
+                        assert_true(cabs(get(P, i, j) - conj(get(P, j, i))) <= tol);
+                pb_call_clear(&c);
+            }
+            if (n != 19)
+                continue;
+            /* eigh: A·V = V·D, D ascending and real, gauge */
+            call_init(&c, "eigh_full", d, order);
+            make_A(&c.in[0], d, m, m, order, HERMITIAN);
+            run_forward(&c);
+            snprintf(what, sizeof what, "eigh_full %s", pb_dtype_name(d));
+            assert_int_equal(c.out[0].dtype, pb_dtype_real(d));
+            for (int i = 1; i < m; i++)
+                assert_true(creal(get(&c.out[0], (size_t)i - 1, 0)) <= creal(get(&c.out[0], (size_t)i, 0)));
+            for (size_t i = 0; i < (size_t)m; i++)
+                for (size_t j = 0; j < (size_t)m; j++)
+                    assert_true(cabs(dotrow(&c.in[0], i, &c.out[1], j, false, false) -
+                                     get(&c.out[1], i, j) * get(&c.out[0], j, 0)) <= tol * 10);
+            assert_true(orth_err(&c.out[1], false) <= tol);
+            check_gauge(&c.out[1], tol, what);
+            pb_call_clear(&c);
+            /* eig: A·V = V·D, unit columns, gauge, complex outputs */
+            call_init(&c, "eig_full", d, order);
+            make_A(&c.in[0], d, m, m, order, RANDOM);
+            run_forward(&c);
+            snprintf(what, sizeof what, "eig_full %s", pb_dtype_name(d));
+            assert_int_equal(c.out[0].dtype, pb_dtype_complex(d));
+            for (size_t i = 0; i < (size_t)m; i++)
+                for (size_t j = 0; j < (size_t)m; j++)
+                    assert_true(cabs(dotrow(&c.in[0], i, &c.out[1], j, false, false) -
+                                     get(&c.out[1], i, j) * get(&c.out[0], j, 0)) <= tol * 20);
+            for (size_t j = 0; j < (size_t)m; j++)
+                assert_true(fabs(creal(dotrow(&c.out[1], j, &c.out[1], j, true, false)) - 1) <= tol);
+            check_gauge(&c.out[1], tol, what);
+            pb_call_clear(&c);
+        }
+}
+
+/* Rank-deficient QR, LQ, SVD: A = randn(m, r)·randn(r, n), r = k − 5. */
+static void rank_deficient(void **state)
+{
+    (void)state;
+    static const char *const ops[] = {"qr_compact", "qr_full", "lq_compact", "lq_full", "svd_compact", "svd_full",
+                                       "svd_vals"};
+    static const int ns[3] = {17, 19, 23};
+    for (size_t o = 0; o < sizeof ops / sizeof ops[0]; o++)
+        for (int di = 0; di < 4; di++)
+            for (int s = 0; s < 3; s++) {
+                pb_call_t c;
+                call_init(&c, ops[o], dtypes[di], 'C');
+                make_A(&c.in[0], dtypes[di], 19, ns[s], 'C', LOWRANK);
+                if (single(dtypes[di]) && pb_op_option_index(c.op, "rank_atol", 9) >= 0)
+                    /* rank_atol at the f32 noise level of the product */
+                    set_opt(&c, "rank_atol", 1e-3);
+                char what[96];
+                snprintf(what, sizeof what, "rank-deficient %s %s 19x%d", ops[o], pb_dtype_name(dtypes[di]), ns[s]);
+                fd_check(&c, what);
+                pb_call_clear(&c);
+            }
+}
+
+/* ---- degenerate spectra ---- */
+
+/* A reverse with the given cotangents; returns the gradient (rc, warnings). */
+static int reverse_with(pb_call_t *c, pb_tensor_t *cot, pb_tensor_t *grad, pb_warnings_t *w, pb_err_t *err)
+{
+    pb_tapedata_t tape;
+    c->wrt = 1;
+    c->taped = true;
+    pb_call_defaults(c);
+    assert_int_equal(c->op->validate(c, err), 0);
+    assert_int_equal(pb_op_run_forward(c, &tape, err), 0);
+    int rc = pb_op_run_reverse(&tape, cot, grad, 'C', w, err);
+    pb_tapedata_clear(&tape);
+    return rc;
+}
+
+/* L(A) = Re tr(C·V·g(D)·Vᴴ) through eigh_full, for a Hermitian C and
+ * g(λ) = λ(λ − 1)²: gauge invariant however D is degenerate, and flat in
+ * the degenerate block at λ = 1 (g′(1) = 0), where the contract's rule is
+ * exact; its cotangents are ΔV = 2·C·V·g(D), ΔD = g′(D)·Re diag(VᴴCV). */
+static double g_eigh(double x) { return x * (x - 1) * (x - 1); }
+static double dg_eigh(double x) { return (x - 1) * (3 * x - 1); }
+static double eigh_loss(pb_dtype_t d, const pb_tensor_t *A, const double complex *C, pb_tensor_t *cot)
+{
+    int m = (int)A->shape[0];
+    pb_call_t c;
+    call_init(&c, "eigh_full", d, 'C');
+    pb_tensor_ref(&c.in[0], A);
+    run_forward(&c);
+    const pb_tensor_t *D = &c.out[0], *V = &c.out[1];
+    double L = 0;
+    if (cot) {
+        uint64_t sv[2] = {(uint64_t)m, (uint64_t)m}, sd[1] = {(uint64_t)m};
+        assert_int_equal(pb_tensor_alloc(&cot[0], D->dtype, 1, sd, 'C', true), 0);
+        assert_int_equal(pb_tensor_alloc(&cot[1], d, 2, sv, 'C', true), 0);
+    }
+    for (int j = 0; j < m; j++) {
+        double lam = creal(get(D, (size_t)j, 0));
+        double complex vcv = 0;
+        for (int i = 0; i < m; i++) {
+            double complex cv = 0;
+            for (int l = 0; l < m; l++)
+                cv += C[i * m + l] * get(V, (size_t)l, (size_t)j);
+            vcv += conj(get(V, (size_t)i, (size_t)j)) * cv;
+            if (cot)
+                set(&cot[1], (size_t)i, (size_t)j, 2 * cv * g_eigh(lam));
+        }
+        L += creal(vcv) * g_eigh(lam);
+        if (cot)
+            set(&cot[0], (size_t)j, 0, dg_eigh(lam) * creal(vcv));
+    }
+    pb_call_clear(&c);
+    return L;
+}
+
+typedef double (*loss_fn)(pb_dtype_t d, const pb_tensor_t *A, const double complex *C, pb_tensor_t *cot);
+
+/* The reverse of op for the cotangents of a gauge-invariant loss (with
+ * the degeneracy tolerance at the f32 noise level for single precision)
+ * against central differences of the loss along E, the loss taken in
+ * double precision.  No warning, finite gradients; tolerance m·n·√eps
+ * (f32, c64) or 1e-7. */
+static void check_flat_loss(const char *op, pb_dtype_t d, const pb_tensor_t *A, loss_fn loss,
+                            const double complex *C, const double complex *E)
+{
+    int m = (int)A->shape[0], n = (int)A->shape[1];
+    pb_tensor_t cot[PB_MAX_IO] = {{0}}, grad[PB_MAX_IO + 2] = {{0}};
+    loss(d, A, C, cot);
+    pb_call_t c;
+    call_init(&c, op, d, 'C');
+    pb_tensor_ref(&c.in[0], A);
+    if (single(d))
+        set_opt(&c, "degeneracy_atol", 1e-4);
+    pb_warnings_t w = {0};
+    pb_err_t err = {0};
+    assert_int_equal(reverse_with(&c, cot, grad, &w, &err), 0);
+    if (w.n)
+        fail_msg("%s degenerate %s: unexpected warning %s", op, pb_dtype_name(d), w.text[0]);
+    double an = 0;
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            double complex g = get(&grad[0], (size_t)i, (size_t)j);
+            assert_true(isfinite(creal(g)) && isfinite(cimag(g)));
+            an += creal(conj(g) * E[i * n + j]);
+        }
+    pb_dtype_t hd = single(d) ? (d == PB_F32 ? PB_F64 : PB_C128) : d;
+    uint64_t sh[2] = {(uint64_t)m, (uint64_t)n};
+    double h = 1e-4, l[4];
+    const double ts[4] = {h, -h, 2 * h, -2 * h};
+    for (int t = 0; t < 4; t++) {
+        pb_tensor_t At;
+        assert_int_equal(pb_tensor_alloc(&At, hd, 2, sh, 'C', false), 0);
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++)
+                set(&At, (size_t)i, (size_t)j, get(A, (size_t)i, (size_t)j) + ts[t] * E[i * n + j]);
+        l[t] = loss(hd, &At, C, NULL);
+        pb_tensor_clear(&At);
+    }
+    double fd = (8 * (l[0] - l[1]) - (l[2] - l[3])) / (12 * h);
+    double tol = single(d) ? m * n * sqrt(FLT_EPSILON) : 1e-7;
+    if (!(fabs(an - fd) <= tol * fmax(1, fabs(fd))))
+        fail_msg("%s degenerate %s: reverse %.10g, finite differences %.10g", op, pb_dtype_name(d), an, fd);
+    for (int k = 0; k < PB_MAX_IO; k++)
+        pb_tensor_clear(&cot[k]);
+    pb_tensor_clear(&grad[0]);
+    pb_call_clear(&c);
+}
+
+static void degenerate_eigh(void **state)
+{
+    (void)state;
+    const int m = 12;
+    for (int di = 0; di < 4; di++) {
+        pb_dtype_t d = dtypes[di];
+        /* A = Q·diag(1, 1, 1, 2, 3, ...)·Qᴴ with Q from a QR of a random matrix */
+        pb_call_t q;
+        call_init(&q, "qr_full", d, 'C');
+        make_A(&q.in[0], d, m, m, 'C', RANDOM);
+        run_forward(&q);
+        pb_tensor_t A;
+        uint64_t sh[2] = {(uint64_t)m, (uint64_t)m};
+        assert_int_equal(pb_tensor_alloc(&A, d, 2, sh, 'C', false), 0);
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < m; j++) {
+                double complex s = 0;
+                for (int l = 0; l < m; l++)
+                    s += get(&q.out[0], (size_t)i, (size_t)l) * (l < 3 ? 1.0 : l - 1.0) *
+                         conj(get(&q.out[0], (size_t)j, (size_t)l));
+                set(&A, (size_t)i, (size_t)j, s);
+            }
+        for (int i = 0; i < m; i++) /* exactly Hermitian */
+            for (int j = 0; j < i; j++)
+                set(&A, (size_t)i, (size_t)j, conj(get(&A, (size_t)j, (size_t)i)));
+        double complex *C = malloc(sizeof *C * (size_t)(m * m)), *E = malloc(sizeof *E * (size_t)(m * m));
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j <= i; j++) {
+                C[i * m + j] = CMPLX(nrand(), i == j || !cplx(d) ? 0 : nrand());
+                C[j * m + i] = conj(C[i * m + j]);
+                E[i * m + j] = CMPLX(nrand(), i == j || !cplx(d) ? 0 : nrand());
+                E[j * m + i] = conj(E[i * m + j]);
+            }
+        check_flat_loss("eigh_full", d, &A, eigh_loss, C, E);
+        pb_tensor_t cot[PB_MAX_IO] = {{0}}, grad[PB_MAX_IO + 2] = {{0}};
+        pb_warnings_t w = {0};
+        pb_err_t err = {0};
+        pb_call_t c;
+        eigh_loss(d, &A, C, cot);
+        /* a gauge-dependent cotangent: a random ΔV mixes the degenerate block */
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < m; j++)
+                set(&cot[1], (size_t)i, (size_t)j, CMPLX(nrand(), cplx(d) ? nrand() : 0));
+        call_init(&c, "eigh_full", d, 'C');
+        pb_tensor_ref(&c.in[0], &A);
+        memset(&w, 0, sizeof w);
+        assert_int_equal(reverse_with(&c, cot, grad, &w, &err), 0);
+        assert_int_equal(w.n, 1);
+        assert_non_null(strstr(w.text[0], "gauge"));
+        for (int k = 0; k < PB_MAX_IO + 2; k++)
+            pb_tensor_clear(&grad[k]);
+        pb_call_clear(&c);
+        call_init(&c, "eigh_full", d, 'C');
+        pb_tensor_ref(&c.in[0], &A);
+        set_opt(&c, "strict_gauge", 1);
+        assert_int_equal(reverse_with(&c, cot, grad, &w, &err), PB_EGAUGE_DEPENDENT);
+        assert_non_null(strstr(err.message, "eigh_full"));
+        pb_call_clear(&c);
+        pb_call_clear(&q);
+        pb_tensor_clear(&cot[0]);
+        pb_tensor_clear(&cot[1]);
+        pb_tensor_clear(&A);
+        free(C);
+        free(E);
+    }
+}
+
+/* L(A) = Re tr(Cᴴ·U·g(S)·Vh) through svd_compact, g(s) = 1 + (s − 1)²:
+ * invariant under the rotations of degenerate singular vectors and flat
+ * in the block at s = 1 (at an isometry it is Re tr(Cᴴ·W), W the polar
+ * factor); ΔU = C·Vhᴴ·g(S), ΔVh = g(S)·Uᴴ·C, ΔS = g′(S)·Re diag(UᴴC·Vhᴴ). */
+static double g_svd(double x) { return 1 + (x - 1) * (x - 1); }
+static double dg_svd(double x) { return 2 * (x - 1); }
+static double svd_loss(pb_dtype_t d, const pb_tensor_t *A, const double complex *C, pb_tensor_t *cot)
+{
+    int m = (int)A->shape[0], n = (int)A->shape[1];
+    pb_call_t c;
+    call_init(&c, "svd_compact", d, 'C');
+    pb_tensor_ref(&c.in[0], A);
+    run_forward(&c);
+    const pb_tensor_t *U = &c.out[0], *S = &c.out[1], *Vh = &c.out[2];
+    int k = m < n ? m : n;
+    if (cot) {
+        uint64_t su[2] = {(uint64_t)m, (uint64_t)k}, ss[1] = {(uint64_t)k}, sv[2] = {(uint64_t)k, (uint64_t)n};
+        assert_int_equal(pb_tensor_alloc(&cot[0], d, 2, su, 'C', true), 0);
+        assert_int_equal(pb_tensor_alloc(&cot[1], S->dtype, 1, ss, 'C', true), 0);
+        assert_int_equal(pb_tensor_alloc(&cot[2], d, 2, sv, 'C', true), 0);
+    }
+    double L = 0;
+    for (int j = 0; j < k; j++) {
+        double s = creal(get(S, (size_t)j, 0));
+        double complex uCv = 0;
+        for (int i = 0; i < m; i++)
+            for (int l = 0; l < n; l++)
+                uCv += conj(get(U, (size_t)i, (size_t)j)) * C[i * n + l] * conj(get(Vh, (size_t)j, (size_t)l));
+        L += creal(uCv) * g_svd(s);
+        if (cot) {
+            set(&cot[1], (size_t)j, 0, dg_svd(s) * creal(uCv));
+            for (int i = 0; i < m; i++) {
+                double complex z = 0;
+                for (int l = 0; l < n; l++)
+                    z += C[i * n + l] * conj(get(Vh, (size_t)j, (size_t)l));
+                set(&cot[0], (size_t)i, (size_t)j, z * g_svd(s));
+            }
+            for (int l = 0; l < n; l++) {
+                double complex z = 0;
+                for (int i = 0; i < m; i++)
+                    z += conj(get(U, (size_t)i, (size_t)j)) * C[i * n + l];
+                set(&cot[2], (size_t)j, (size_t)l, z * g_svd(s));
+            }
+        }
+    }
+    pb_call_clear(&c);
+    return L;
+}
+
+/* SVD of an isometry (all σ = 1) with a gauge-invariant loss. */
+static void degenerate_svd(void **state)
+{
+    (void)state;
+    const int m = 11, n = 7;
+    for (int di = 0; di < 4; di++) {
+        pb_dtype_t d = dtypes[di];
+        pb_call_t q;
+        call_init(&q, "qr_compact", d, 'C');
+        make_A(&q.in[0], d, m, n, 'C', RANDOM);
+        run_forward(&q);
+        const pb_tensor_t *A = &q.out[0];
+        double complex *C = malloc(sizeof *C * (size_t)(m * n)), *E = malloc(sizeof *E * (size_t)(m * n));
+        for (int i = 0; i < m * n; i++) {
+            C[i] = CMPLX(nrand(), cplx(d) ? nrand() : 0);
+            E[i] = CMPLX(nrand(), cplx(d) ? nrand() : 0);
+        }
+        check_flat_loss("svd_compact", d, A, svd_loss, C, E);
+        pb_tensor_t cot[PB_MAX_IO] = {{0}}, grad[PB_MAX_IO + 2] = {{0}};
+        pb_warnings_t w = {0};
+        pb_err_t err = {0};
+        pb_call_t c;
+        svd_loss(d, A, C, cot);
+        /* gauge-dependent: a random ΔU */
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++)
+                set(&cot[0], (size_t)i, (size_t)j, CMPLX(nrand(), cplx(d) ? nrand() : 0));
+        call_init(&c, "svd_compact", d, 'C');
+        pb_tensor_ref(&c.in[0], A);
+        set_opt(&c, "strict_gauge", 1);
+        assert_int_equal(reverse_with(&c, cot, grad, &w, &err), PB_EGAUGE_DEPENDENT);
+        pb_call_clear(&c);
+        for (int k = 0; k < 3; k++)
+            pb_tensor_clear(&cot[k]);
+        pb_call_clear(&q);
+        free(C);
+        free(E);
+    }
+}
+
+/* ---- truncations ---- */
+
+static void truncations(void **state)
+{
+    (void)state;
+    const int ranks[] = {0, 1, 5, 17, 19};
+    for (int di = 0; di < 4; di++)
+        for (size_t r = 0; r < sizeof ranks / sizeof ranks[0]; r++) {
+            pb_dtype_t d = dtypes[di];
+            for (int e = 0; e < 2; e++) {
+                pb_call_t c;
+                int m = 19, n = e ? 19 : 23;
+                call_init(&c, e ? "eigh_trunc" : "svd_trunc", d, 'C');
+                make_A(&c.in[0], d, m, n, 'C', e ? HERMITIAN : RANDOM);
+                set_opt(&c, "maxrank", ranks[r]);
+                run_forward(&c);
+                int kept = ranks[r] > 19 ? 19 : ranks[r];
+                assert_int_equal(c.out[0].shape[e ? 0 : 1], (uint64_t)kept);
+                if (e) /* ascending λ, the largest |λ| kept */
+                    for (int i = 1; i < kept; i++)
+                        assert_true(creal(get(&c.out[0], (size_t)i - 1, 0)) <= creal(get(&c.out[0], (size_t)i, 0)));
+                for (int k = 0; k < PB_MAX_IO; k++)
+                    pb_tensor_clear(&c.out[k]);
+                char what[96];
+                snprintf(what, sizeof what, "%s %s rank %d", c.op->name, pb_dtype_name(d), ranks[r]);
+                if (kept == 0) { /* empty outputs, a zero gradient */
+                    pb_tensor_t cot[PB_MAX_IO] = {{0}}, grad[PB_MAX_IO + 2] = {{0}};
+                    pb_warnings_t w = {0};
+                    pb_err_t err = {0};
+                    assert_int_equal(reverse_with(&c, cot, grad, &w, &err), 0);
+                    for (size_t i = 0; i < pb_tensor_count(&grad[0]); i++)
+                        assert_true(get(&grad[0], i / (size_t)n, i % (size_t)n) == 0);
+                    pb_tensor_clear(&grad[0]);
+                    for (int k = 0; k < PB_MAX_IO; k++)
+                        pb_tensor_clear(&c.out[k]);
+                } else
+                    fd_check(&c, what);
+                pb_call_clear(&c);
+            }
+        }
+    /* with rtol: σ_i > rtol·σ₁ kept */
+    pb_call_t c;
+    call_init(&c, "svd_trunc", PB_F64, 'C');
+    make_A(&c.in[0], PB_F64, 19, 23, 'C', RANDOM);
+    set_opt(&c, "rtol", 0.5);
+    run_forward(&c);
+    size_t kept = c.out[1].shape[0];
+    assert_true(kept >= 1 && kept < 19);
+    for (size_t i = 0; i < kept; i++)
+        assert_true(creal(get(&c.out[1], i, 0)) > 0.5 * creal(get(&c.out[1], 0, 0)));
+    pb_call_clear(&c);
+}
+
+/* The truncated pullback is not the naive one (the SVD pullback of the
+ * kept factors alone) when the discarded values are nonzero: the naive
+ * rule misses the coupling to the discarded vectors. */
+static void trunc_not_naive(void **state)
+{
+    (void)state;
+    const int m = 19, n = 23, r = 6;
+    pb_call_t c;
+    call_init(&c, "svd_trunc", PB_F64, 'C');
+    make_A(&c.in[0], PB_F64, m, n, 'C', RANDOM);
+    set_opt(&c, "maxrank", r);
+    run_forward(&c);
+    /* Ar = U·S·Vh of the kept factors, a random ΔU (phase-free: real) */
+    pb_tensor_t Ar, cot[PB_MAX_IO] = {{0}}, g1[PB_MAX_IO + 2] = {{0}}, g2[PB_MAX_IO + 2] = {{0}};
+    uint64_t sh[2] = {(uint64_t)m, (uint64_t)n}, su[2] = {(uint64_t)m, (uint64_t)r};
+    assert_int_equal(pb_tensor_alloc(&Ar, PB_F64, 2, sh, 'C', false), 0);
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            double s = 0;
+            for (int l = 0; l < r; l++)
+                s += creal(get(&c.out[0], (size_t)i, (size_t)l) * get(&c.out[1], (size_t)l, 0) *
+                           get(&c.out[2], (size_t)l, (size_t)j));
+            set(&Ar, (size_t)i, (size_t)j, s);
+        }
+    assert_int_equal(pb_tensor_alloc(&cot[0], PB_F64, 2, su, 'C', false), 0);
+    for (int i = 0; i < m * r; i++)
+        set(&cot[0], (size_t)(i / r), (size_t)(i % r), nrand());
+    for (int k = 0; k < PB_MAX_IO; k++)
+        pb_tensor_clear(&c.out[k]);
+    pb_warnings_t w = {0};
+    pb_err_t err = {0};
+    assert_int_equal(reverse_with(&c, cot, g1, &w, &err), 0);
+    for (int k = 0; k < PB_MAX_IO; k++)
+        pb_tensor_clear(&c.out[k]);
+    pb_call_t nv;
+    call_init(&nv, "svd_trunc", PB_F64, 'C');
+    pb_tensor_ref(&nv.in[0], &Ar);
+    set_opt(&nv, "maxrank", r);
+    assert_int_equal(reverse_with(&nv, cot, g2, &w, &err), 0);
+    double diff = 0, size = 0;
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < n; j++) {
+            diff = fmax(diff, fabs(creal(get(&g1[0], (size_t)i, (size_t)j) - get(&g2[0], (size_t)i, (size_t)j))));
+            size = fmax(size, fabs(creal(get(&g1[0], (size_t)i, (size_t)j))));
+        }
+    assert_true(diff > 1e-3 * size);
+    pb_tensor_clear(&g1[0]);
+    pb_tensor_clear(&g2[0]);
+    pb_tensor_clear(&cot[0]);
+    pb_tensor_clear(&Ar);
+    for (int k = 0; k < PB_MAX_IO; k++)
+        pb_tensor_clear(&nv.out[k]);
+    pb_call_clear(&nv);
+    pb_call_clear(&c);
+}
+
+/* ---- errors ---- */
+
+static int forward_rc(const char *op, pb_dtype_t d, int m, int n, int kind, double nan_at, pb_err_t *err)
+{
+    pb_call_t c;
+    call_init(&c, op, d, 'C');
+    make_A(&c.in[0], d, m, n, 'C', kind);
+    if (nan_at >= 0)
+        set(&c.in[0], 0, 0, nan_at > 0 ? INFINITY : NAN);
+    pb_call_defaults(&c);
+    int rc = c.op->validate(&c, err);
+    if (rc == 0)
+        rc = pb_op_run_forward(&c, NULL, err);
+    pb_call_clear(&c);
+    return rc;
+}
+
+static void errors(void **state)
+{
+    (void)state;
+    pb_err_t err = {0};
+    for (int di = 0; di < 4; di++) {
+        pb_dtype_t d = dtypes[di];
+        assert_int_equal(forward_rc("eigh_full", d, 5, 6, HERMITIAN, -1, &err), PB_ESHAPE_MISMATCH);
+        assert_string_equal(err.arg, "inputs.A");
+        assert_int_equal(forward_rc("eig_vals", d, 6, 5, RANDOM, -1, &err), PB_ESHAPE_MISMATCH);
+        assert_int_equal(forward_rc("eigh_vals", d, 6, 6, RANDOM, -1, &err), PB_EINVALID_ARGUMENT);
+        assert_non_null(strstr(err.message, "Hermitian"));
+        assert_int_equal(forward_rc("left_polar", d, 5, 6, RANDOM, -1, &err), PB_ESHAPE_MISMATCH);
+        assert_int_equal(forward_rc("right_polar", d, 6, 5, RANDOM, -1, &err), PB_ESHAPE_MISMATCH);
+        for (size_t o = 0; o < sizeof all_ops / sizeof all_ops[0]; o++) {
+            int n = strcmp(all_ops[o], "left_polar") == 0 ? 5 : 6;
+            for (int inf = 0; inf < 2; inf++) {
+                assert_int_equal(forward_rc(all_ops[o], d, 6, n, is_eigh(all_ops[o]) ? HERMITIAN : RANDOM, inf, &err),
+                                 PB_ENUMERICAL);
+                assert_non_null(strstr(err.message, "NaN"));
+            }
+        }
+    }
+    /* a rank-3 tensor, a negative maxrank or tolerance */
+    pb_call_t c;
+    call_init(&c, "qr_compact", PB_F64, 'C');
+    uint64_t s3[3] = {2, 2, 2};
+    assert_int_equal(pb_tensor_alloc(&c.in[0], PB_F64, 3, s3, 'C', true), 0);
+    pb_call_defaults(&c);
+    assert_int_equal(c.op->validate(&c, &err), PB_ESHAPE_MISMATCH);
+    pb_call_clear(&c);
+    call_init(&c, "svd_trunc", PB_F64, 'C');
+    make_A(&c.in[0], PB_F64, 4, 4, 'C', RANDOM);
+    set_opt(&c, "maxrank", -1);
+    pb_call_defaults(&c);
+    assert_int_equal(c.op->validate(&c, &err), PB_EINVALID_ARGUMENT);
+    assert_string_equal(err.arg, "options.maxrank");
+    pb_call_clear(&c);
+    call_init(&c, "svd_compact", PB_F64, 'C');
+    make_A(&c.in[0], PB_F64, 4, 4, 'C', RANDOM);
+    set_opt(&c, "rank_atol", -1);
+    pb_call_defaults(&c);
+    assert_int_equal(c.op->validate(&c, &err), PB_EINVALID_ARGUMENT);
+    pb_call_clear(&c);
+}
+
+/* Zero-size matrices give zero-size outputs and gradients. */
+static void zero_size(void **state)
+{
+    (void)state;
+    for (size_t o = 0; o < sizeof all_ops / sizeof all_ops[0]; o++) {
+        int m = 0, n = square_only(all_ops[o]) ? 0 : 3;
+        if (strcmp(all_ops[o], "left_polar") == 0) {
+            m = 3;
+            n = 0;
+        }
+        pb_call_t c;
+        call_init(&c, all_ops[o], PB_F64, 'C');
+        make_A(&c.in[0], PB_F64, m, n, 'C', RANDOM);
+        pb_tensor_t cot[PB_MAX_IO] = {{0}}, grad[PB_MAX_IO + 2] = {{0}};
+        pb_warnings_t w = {0};
+        pb_err_t err = {0};
+        if (reverse_with(&c, cot, grad, &w, &err))
+            fail_msg("%s on %dx%d: %s", all_ops[o], m, n, err.message);
+        assert_int_equal(pb_tensor_count(&grad[0]), (size_t)(m * n));
+        pb_tensor_clear(&grad[0]);
+        for (int k = 0; k < PB_MAX_IO; k++)
+            pb_tensor_clear(&c.out[k]);
+        pb_call_clear(&c);
+    }
+}
+
+/* The tape holds exactly what validate announced. */
+static void tape_sizes(void **state)
+{
+    (void)state;
+    for (size_t o = 0; o < sizeof all_ops / sizeof all_ops[0]; o++)
+        for (int di = 0; di < 4; di++) {
+            const char *name = all_ops[o];
+            int m = 7, n = square_only(name) ? 7 : strcmp(name, "left_polar") == 0 ? 5 : 9;
+            pb_call_t c;
+            call_init(&c, name, dtypes[di], 'F');
+            make_A(&c.in[0], dtypes[di], m, n, 'F', is_eigh(name) ? HERMITIAN : RANDOM);
+            c.wrt = 1;
+            c.taped = true;
+            pb_call_defaults(&c);
+            pb_err_t err = {0};
+            assert_int_equal(c.op->validate(&c, &err), 0);
+            pb_tapedata_t t;
+            assert_int_equal(pb_op_run_forward(&c, &t, &err), 0);
+            if (pb_tapedata_bytes(&t) != c.tape_bytes)
+                fail_msg("%s %s: tape %zu bytes, announced %zu", name, pb_dtype_name(dtypes[di]),
+                         pb_tapedata_bytes(&t), c.tape_bytes);
+            pb_tapedata_clear(&t);
+            pb_call_clear(&c);
+        }
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(forward_props),   cmocka_unit_test(fd_all),          cmocka_unit_test(rank_deficient),
+        cmocka_unit_test(degenerate_eigh), cmocka_unit_test(degenerate_svd),  cmocka_unit_test(truncations),
+        cmocka_unit_test(trunc_not_naive), cmocka_unit_test(errors),          cmocka_unit_test(zero_size),
+        cmocka_unit_test(tape_sizes),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
