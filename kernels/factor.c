@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "op.h"
+#include "strided.h"
 
 enum fz_kind {
     FZ_QR_COMPACT, FZ_QR_FULL, FZ_QR_NULL, FZ_LQ_COMPACT, FZ_LQ_FULL, FZ_LQ_NULL,

@@ -61,6 +61,16 @@ static void FN(trsm_right)(char op, int m, int n, const T *U, int ldu, T *X, int
                 LD(ldx));
 }
 
+/* X (m×n) ← X·Uᴴ for an upper triangular n×n U. */
+static void FN(trmm_right_c)(int m, int n, const T *U, int ldu, T *X, int ldx)
+{
+    if (m <= 0 || n <= 0)
+        return;
+    T one = 1;
+    CBLAS(trmm)(CblasColMajor, CblasRight, CblasUpper, CblasConjTrans, CblasNonUnit, m, n, SCAL(one), U, LD(ldu), X,
+                LD(ldx));
+}
+
 /* Y (n×m) = Xᴴ for X m×n. */
 static void FN(adjoint)(const T *X, int m, int n, T *Y)
 {
@@ -100,22 +110,30 @@ static void FN(antiherm)(T *X, int n)
         }
 }
 
-/* A tensor's values as a column-major m×n array (a vector: n = 1).
- * With finite set, returns 1 when an entry is NaN or Inf. */
-static int FN(load)(const pb_tensor_t *t, T *dst, int m, int n, bool finite)
+/* A tensor's values as a column-major m×n array (a vector: n = 1); a C-
+ * ordered matrix goes through the cache-blocked permutation pass. */
+static void FN(load)(const pb_tensor_t *t, T *dst, int m, int n)
 {
     const T *src = pb_tensor_data(t);
-    if (t->rank == 2 && t->order == 'C')
-        for (int i = 0; i < m; i++)
-            for (int j = 0; j < n; j++)
-                E(dst, m, i, j) = src[(size_t)i * (size_t)n + (size_t)j];
-    else
+    if (t->rank == 2 && t->order == 'C' && m > 1 && n > 1) {
+        pb_loop_t L = {.rank = 2, .dim = {(uint64_t)m, (uint64_t)n}, .s = {{1, m}, {n, 1}}};
+        pb_strided(DT, &L, dst, src, false, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, false);
+    } else
         memcpy(dst, src, (size_t)m * (size_t)n * sizeof(T));
-    if (finite)
-        for (size_t i = 0; i < (size_t)m * (size_t)n; i++)
-            if (!isfinite(RE(dst[i])) || !isfinite(IM(dst[i])))
-                return 1;
-    return 0;
+}
+
+/* max|A_i| over n entries, in one pass that also notices NaN and Inf
+ * (x − x is 0 for every finite x): *finite is false when there is one. */
+static double FN(amax)(const T *A, size_t n, bool *finite)
+{
+    double big = 0, bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        double re = RE(A[i]), im = IM(A[i]), a = re * re + im * im;
+        big = a > big ? a : big;
+        bad += (re - re) + (im - im);
+    }
+    *finite = bad == 0;
+    return sqrt(big);
 }
 
 /* A cotangent as a fresh column-major array (NULL when absent: zero). */
@@ -126,7 +144,7 @@ static int FN(load_cot)(const pb_tensor_t *t, int m, int n, T **out)
         return 0;
     if ((*out = FN(zalloc)((size_t)m * (size_t)n)) == NULL)
         return PB_ENOMEM;
-    FN(load)(t, *out, m, n, false);
+    FN(load)(t, *out, m, n);
     return 0;
 }
 
@@ -148,13 +166,15 @@ static void FN(fix_phases)(T *V, int m, int c, T *ph)
     for (int j = 0; j < c; j++) {
         int best = 0;
         double big = -1;
-        for (int i = 0; i < m; i++) {
-            double a = ABS(E(V, m, i, j));
+        for (int i = 0; i < m; i++) { /* squared magnitudes: no hypot per entry */
+            T v = E(V, m, i, j);
+            double a = RE(v) * RE(v) + IM(v) * IM(v);
             if (a > big) {
                 big = a;
                 best = i;
             }
         }
+        big = sqrt(big);
         T p = 1;
         if (m > 0 && big > 0)
             p = (T)(CONJ(E(V, m, best, j)) / big);
@@ -206,16 +226,24 @@ static int FN(qr_factor)(T *A, int m, int n, int nq, T *Q, T *Rm, pb_err_t *err)
         for (int j = 0; j < nq; j++)
             E(Q, m, j, j) = 1;
     free(tau);
+    /* the phases of diag(R) move into Q: R's rows (walked by columns,
+     * as they lie) times conj(phase), Q's columns times the phase */
+    T *ph = FN(zalloc)((size_t)k);
+    if (ph == NULL)
+        return PB_ENOMEM;
     for (int i = 0; i < k; i++) {
         T r = E(Rm, nr, i, i);
         double a = ABS(r);
-        T ph = a > 0 ? (T)(r / a) : (T)1;
-        for (int j = i; j < n; j++)
-            E(Rm, nr, i, j) *= CONJ(ph);
+        ph[i] = a > 0 ? (T)(r / a) : (T)1;
         E(Rm, nr, i, i) = (T)a;
-        for (int l = 0; l < m; l++)
-            E(Q, m, l, i) *= ph;
+        if (ph[i] != (T)1)
+            for (int l = 0; l < m; l++)
+                E(Q, m, l, i) *= ph[i];
     }
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < k && i < j; i++)
+            E(Rm, nr, i, j) *= CONJ(ph[i]);
+    free(ph);
     return 0;
 }
 
@@ -272,9 +300,11 @@ static int FN(qr_pullback)(const T *Q, int m, int nq, const T *Rm, int nr, int n
         FN(gemm)('N', 'N', m, p, p, mone, Q, m, M, p, one, dQt, m);
         FN(gemm)('N', 'N', m, n - p, p, one, Q, m, dR12, nr, one, dA + (size_t)p * m, m);
     }
-    if (dR)
-        FN(gemm)('N', 'C', p, p, p, one, dR, nr, Rm, nr, zero, M, p);
-    else
+    if (dR) { /* ΔR₁₁R₁₁ᴴ, a triangular product */
+        for (int j = 0; j < p; j++)
+            memcpy(M + (size_t)j * p, dR + (size_t)j * nr, (size_t)p * sizeof(T));
+        FN(trmm_right_c)(p, p, Rm, nr, M, p);
+    } else
         memset(M, 0, (size_t)p * (size_t)p * sizeof(T));
     FN(gemm)('C', 'N', p, p, m, mone, Q, m, dQt, m, one, M, p);
     for (int j = 0; j < p; j++) {
@@ -282,9 +312,9 @@ static int FN(qr_pullback)(const T *Q, int m, int nq, const T *Rm, int nr, int n
         for (int i = j + 1; i < p; i++)
             E(M, p, i, j) = CONJ(E(M, p, j, i));
     }
-    FN(trsm_right)('C', p, p, Rm, nr, M, p);
+    /* ΔA₁ += (Q₁M + Q̃)·R₁₁⁻ᴴ: one GEMM into Q̃, one triangular solve */
+    FN(gemm)('N', 'N', m, p, p, one, Q, m, M, p, one, dQt, m);
     FN(trsm_right)('C', m, p, Rm, nr, dQt, m);
-    FN(gemm)('N', 'N', m, p, p, one, Q, m, M, p, one, dA, m);
     for (size_t i = 0; i < (size_t)m * (size_t)p; i++)
         dA[i] += dQt[i];
     free(dQt);
@@ -445,8 +475,12 @@ static int FN(eigh_factor)(T *A, int m, RT *D, double herm_atol, pb_err_t *err)
 {
     double worst = 0;
     for (int j = 0; j < m; j++)
-        for (int i = 0; i <= j; i++)
-            worst = fmax(worst, ABS(E(A, m, i, j) - CONJ(E(A, m, j, i))));
+        for (int i = 0; i <= j; i++) {
+            T d = E(A, m, i, j) - CONJ(E(A, m, j, i));
+            double a = RE(d) * RE(d) + IM(d) * IM(d);
+            worst = a > worst ? a : worst;
+        }
+    worst = sqrt(worst);
     if (worst > herm_atol)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs.A",
                           "A is not Hermitian: |A - Aᴴ| reaches %.3g, more than herm_atol %.3g", worst, herm_atol);
@@ -678,11 +712,16 @@ static int FN(polar_factor)(const T *A, int m, int n, T *W, T *P, T *V, RT *S, p
     const T one = 1, zero = 0;
     if (U && Vh && SV && (rc = FN(svd_factor)(A, m, n, U, S, Vh, err)) == 0) {
         FN(gemm)('N', 'N', m, n, n, one, U, m, Vh, n, zero, W, m);
+        /* P = (S^½·Vh)ᴴ(S^½·Vh): a rank-n update, Hermitian by construction */
         for (int j = 0; j < n; j++)
             for (int i = 0; i < n; i++)
-                E(SV, n, i, j) = (T)(S[i] * E(Vh, n, i, j));
-        FN(gemm)('C', 'N', n, n, n, one, Vh, n, SV, n, zero, P, n);
-        for (int j = 0; j < n; j++) { /* exactly Hermitian */
+                E(SV, n, i, j) = (T)(sqrt((double)S[i]) * E(Vh, n, i, j));
+#if CPLX
+        CBLAS(herk)(CblasColMajor, CblasLower, CblasConjTrans, n, n, 1.0, SV, LD(n), 0.0, P, LD(n));
+#else
+        CBLAS(syrk)(CblasColMajor, CblasLower, CblasTrans, n, n, 1.0, SV, LD(n), 0.0, P, LD(n));
+#endif
+        for (int j = 0; j < n; j++) {
             E(P, n, j, j) = (T)RE(E(P, n, j, j));
             for (int i = j + 1; i < n; i++)
                 E(P, n, j, i) = CONJ(E(P, n, i, j));
@@ -1007,13 +1046,13 @@ static int FN(forward)(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
     int rc = PB_ENOMEM;
     if (A == NULL || sel == NULL)
         goto fail;
-    if (FN(load)(At, A, m, n, true)) {
+    FN(load)(At, A, m, n);
+    bool finite;
+    double amax = FN(amax)(A, (size_t)m * n, &finite);
+    if (!finite) {
         rc = pb_err_set(err, PB_ENUMERICAL, "inputs.A", "A has NaN or Inf entries: %s refuses them", c->op->name);
         goto fail;
     }
-    double amax = 0;
-    for (size_t i = 0; i < (size_t)m * n; i++)
-        amax = fmax(amax, ABS(A[i]));
     fz_opts_t op;
     fz_resolve(c->op, c->opt, amax, DT, k, &op);
     if (tape)
@@ -1349,7 +1388,7 @@ static int FN(reverse)(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor
             if (d0)
                 memcpy(d0, pb_tensor_data(&cot[0]), (size_t)m * sizeof(CT));
             if (d1)
-                CAT(load, CSFX)(&cot[1], d1, m, m, false);
+                CAT(load, CSFX)(&cot[1], d1, m, m);
             rc = CAT(eig_pullback, CSFX)(D, pb_tensor_data(s1), m, d0, d1, dAc, op.deg_atol, &gauge, err);
             for (size_t i = 0; rc == 0 && i < (size_t)m * m; i++)
 #if CPLX
@@ -1541,7 +1580,7 @@ static T *FN(out_arr)(const pb_call_t *c, int i)
     int m = (int)t->shape[0], n = t->rank == 2 ? (int)t->shape[1] : 1;
     T *a = FN(zalloc)((size_t)m * n);
     if (a)
-        FN(load)(t, a, m, n, false);
+        FN(load)(t, a, m, n);
     return a;
 }
 
@@ -1557,9 +1596,9 @@ static int FN(fd_cotangents)(const pb_call_t *c, pb_tensor_t *cot)
         T *A = FN(zalloc)((size_t)m * n);
         if (A == NULL)
             return PB_ENOMEM;
-        FN(load)(&c->in[0], A, m, n, false);
-        for (size_t i = 0; i < (size_t)m * n; i++)
-            amax = fmax(amax, ABS(A[i]));
+        bool finite;
+        FN(load)(&c->in[0], A, m, n);
+        amax = FN(amax)(A, (size_t)m * n, &finite);
         free(A);
     }
     fz_opts_t op;
@@ -1596,17 +1635,17 @@ static int FN(fd_cotangents)(const pb_call_t *c, pb_tensor_t *cot)
             }
             FN(adjoint)(Q, nq, mq, X0);
             FN(adjoint)(Rm, nr, nq, X1);
-            FN(load)(&cot[qi], t0, nq, mq, false);
+            FN(load)(&cot[qi], t0, nq, mq);
             FN(adjoint)(t0, nq, mq, D0);
-            FN(load)(&cot[ri], t1, nr, nq, false);
+            FN(load)(&cot[ri], t1, nr, nq);
             FN(adjoint)(t1, nr, nq, D1);
             free(t0);
             free(t1);
         } else {
             memcpy(X0, Q, (size_t)mq * nq * sizeof(T));
             memcpy(X1, Rm, (size_t)nq * nr * sizeof(T));
-            FN(load)(&cot[qi], D0, mq, nq, false);
-            FN(load)(&cot[ri], D1, nq, nr, false);
+            FN(load)(&cot[qi], D0, mq, nq);
+            FN(load)(&cot[ri], D1, nq, nr);
         }
         int p = FN(qr_rank)(X1, nq, k, op.rank_atol);
         for (int j = p; j < (p < k ? nq : k); j++) /* vectors past the rank */
@@ -1649,13 +1688,13 @@ static int FN(fd_cotangents)(const pb_call_t *c, pb_tensor_t *cot)
                 FN(adjoint)(N, nn, mm, X0);
                 T *t = FN(zalloc)((size_t)mm * nn);
                 if (t) {
-                    FN(load)(&cot[0], t, nn, mm, false);
+                    FN(load)(&cot[0], t, nn, mm);
                     FN(adjoint)(t, nn, mm, D0);
                 }
                 free(t);
             } else {
                 memcpy(X0, N, (size_t)mm * nn * sizeof(T));
-                FN(load)(&cot[0], D0, mm, nn, false);
+                FN(load)(&cot[0], D0, mm, nn);
             }
             FN(gemm)('C', 'N', nn, nn, mm, one, X0, mm, D0, mm, zero, X1, nn);
             FN(antiherm)(X1, nn);
@@ -1680,7 +1719,7 @@ static int FN(fd_cotangents)(const pb_call_t *c, pb_tensor_t *cot)
         X0 = FN(out_arr)(c, 1);
         D0 = FN(zalloc)((size_t)m * r);
         if (X0 && D0) {
-            FN(load)(&cot[1], D0, m, r, false);
+            FN(load)(&cot[1], D0, m, r);
             FN(drop_phase)(X0, m, r, D0, NULL);
             FN(store_back)(&cot[1], D0, m, r);
             rc = 0;
@@ -1690,7 +1729,7 @@ static int FN(fd_cotangents)(const pb_call_t *c, pb_tensor_t *cot)
     case FZ_EIG_FULL: { /* V is complex whatever A is: the complex body does it */
         CT *V = CAT(out_arr, CSFX)(c, 1), *dV = calloc((size_t)m * m + 1, sizeof(CT));
         if (V && dV) {
-            CAT(load, CSFX)(&cot[1], dV, m, m, false);
+            CAT(load, CSFX)(&cot[1], dV, m, m);
             CAT(drop_phase, CSFX)(V, m, m, dV, NULL);
             CAT(store_back, CSFX)(&cot[1], dV, m, m);
             rc = 0;
@@ -1722,8 +1761,8 @@ static int FN(fd_cotangents)(const pb_call_t *c, pb_tensor_t *cot)
             free(ph);
             break;
         }
-        FN(load)(&cot[0], D0, m, cu, false);
-        FN(load)(&cot[2], D1, cv, n, false);
+        FN(load)(&cot[0], D0, m, cu);
+        FN(load)(&cot[2], D1, cv, n);
 #if CPLX
         for (int j = 0; j < r; j++) { /* Im(v_jᴴΔv_j), v_j = Vh[j, :]ᴴ */
             T s = 0;
