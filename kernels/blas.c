@@ -1,7 +1,7 @@
 #include "blas.h"
 
 #include <cblas.h>
-#include <complex.h>
+#include "cmplx.h"
 
 #include "op.h"
 

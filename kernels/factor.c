@@ -19,7 +19,7 @@
  * herm_atol, gauge_atol) are resolved per call from max|A_ij| (kept in
  * the tape's scalars[0]) and the cotangents' norm: see fz_resolve. */
 #include <cblas.h>
-#include <complex.h>
+#include "cmplx.h"
 #include <float.h>
 #include <lapacke.h>
 #include <math.h>

@@ -1,6 +1,6 @@
 #include "strided.h"
 
-#include <complex.h>
+#include "cmplx.h"
 #include <stdlib.h>
 #include <string.h>
 

@@ -15,7 +15,7 @@
  * gauge_dependent for a gauge-dependent cotangent); truncations at rank
  * 0, in between and full, and that their pullback differs from the naive
  * one; every input error. */
-#include <complex.h>
+#include "kernels/cmplx.h"
 #include <float.h>
 #include <math.h>
 #include <setjmp.h>

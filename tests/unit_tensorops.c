@@ -16,7 +16,7 @@
  * whose terms may cancel, and reach 2e-4 relative to their own size on
  * some random draws); forward f64
  * 1e-12, f32 1e-5, relative to the largest |reference| + 1. */
-#include <complex.h>
+#include "kernels/cmplx.h"
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -862,6 +862,130 @@ static void strided_kernel(void **state)
                 }
 }
 
+/* One pass of pb_strided over flat buffers against a naive walk of the
+ * same loop.  Strides are in elements and non-negative; span is the
+ * buffer length each operand needs.  With acc, dst strides may be 0. */
+typedef struct sloop {
+    int rank;
+    uint64_t dim[4];
+    int64_t s[3][4]; /* dst, src, src2 */
+} sloop_t;
+
+static size_t span(const sloop_t *l, int o)
+{
+    int64_t last = 0;
+    for (int k = 0; k < l->rank; k++)
+        last += (int64_t)(l->dim[k] - 1) * l->s[o][k];
+    return (size_t)last + 1;
+}
+
+static void check_pass(pb_dtype_t d, const sloop_t *l, bool cj, pb_scalar_t al, bool two, pb_scalar_t be, bool acc,
+                       const char *what)
+{
+    pb_tensor_t y, y0, a, b;
+    uint64_t ny = span(l, 0), na = span(l, 1), nb = span(l, 2);
+    make(&y, d, 1, &ny, 'C');
+    make(&y0, d, 1, &ny, 'C');
+    make(&a, d, 1, &na, 'C');
+    make(&b, d, 1, &nb, 'C');
+    for (size_t i = 0; i < ny; i++)
+        set(&y0, i, get(&y, i));
+    pb_loop_t L = {.rank = l->rank};
+    for (int k = 0; k < l->rank; k++) {
+        L.dim[k] = l->dim[k];
+        for (int o = 0; o < 3; o++)
+            L.s[o][k] = l->s[o][k];
+    }
+    pb_strided(d, &L, pb_tensor_data(&y), pb_tensor_data(&a), cj, al, two ? pb_tensor_data(&b) : NULL, be, acc);
+    /* the reference, in y0: the same element order is not needed, as no
+     * element is written twice except through acc, which only adds */
+    double complex alpha = CMPLX(al.re, al.im), beta = CMPLX(be.re, be.im);
+    uint64_t idx[4] = {0};
+    double scale = 1;
+    do {
+        int64_t oy = 0, oa = 0, ob = 0;
+        for (int k = 0; k < l->rank; k++) {
+            oy += (int64_t)idx[k] * l->s[0][k];
+            oa += (int64_t)idx[k] * l->s[1][k];
+            ob += (int64_t)idx[k] * l->s[2][k];
+        }
+        double complex v = alpha * opx(get(&a, (size_t)oa), cj, d) + (two ? beta * get(&b, (size_t)ob) : 0);
+        set(&y0, (size_t)oy, (acc ? get(&y0, (size_t)oy) : 0) + v);
+        scale = fmax(scale, cabs(v));
+    } while (next(idx, l->dim, l->rank));
+    double worst = 0;
+    for (size_t i = 0; i < ny; i++)
+        worst = fmax(worst, cabs(get(&y0, i) - get(&y, i)));
+    if (worst > 4 * tol_fwd(d) * scale)
+        fail_msg("%s: %s error %g", what, pb_dtype_name(d), worst / scale);
+    pb_tensor_clear(&y);
+    pb_tensor_clear(&y0);
+    pb_tensor_clear(&a);
+    pb_tensor_clear(&b);
+}
+
+/* The paths of the walk (strided.c): transposing tiles with unit
+ * strides (through the buffer, with prefetch) and without (a strided
+ * source, an F-order destination, a reduction), ragged tiles along both
+ * sides, rows that do not transpose, and every flag: conj, alpha, beta,
+ * accumulate, for all four dtypes. */
+static void strided_paths(void **state)
+{
+    (void)state;
+    /* dense C-order operands of shape (67, 3, 130, 5) read through a
+     * permutation: dst strides for the permuted shape, src strides of
+     * the original */
+    static const uint64_t sh[4] = {67, 3, 130, 5};
+    static const int perms[5][4] = {{3, 2, 1, 0}, {2, 1, 0, 3}, {1, 0, 2, 3}, {0, 2, 1, 3}, {3, 0, 1, 2}};
+    int64_t ss[4];
+    pb_dense_strides(4, sh, 'C', ss);
+    for (int di = 0; di < 4; di++) {
+        pb_dtype_t d = dtypes[di];
+        bool cx = di >= 2;
+        for (int pi = 0; pi < 5; pi++)
+            for (int v = 0; v < 7; v++) {
+                sloop_t l = {.rank = 4};
+                uint64_t shy[4];
+                int64_t sy[4], sf[4];
+                for (int k = 0; k < 4; k++)
+                    shy[k] = sh[perms[pi][k]];
+                pb_dense_strides(4, shy, 'C', sy);
+                pb_dense_strides(4, shy, 'F', sf);
+                for (int k = 0; k < 4; k++) {
+                    l.dim[k] = shy[k];
+                    l.s[0][k] = v == 5 ? sf[k] : sy[k]; /* 5: an F-order dst */
+                    l.s[1][k] = ss[perms[pi][k]] * (v == 6 ? 2 : 1); /* 6: every other element of src */
+                    l.s[2][k] = v & 1 ? sf[k] : sy[k];
+                }
+                bool cj = cx && (v == 1 || v == 3), two = v == 2 || v == 3, acc = v == 4;
+                pb_scalar_t al = {v == 0 ? 1 : 0.75, cx && v != 0 ? -0.5 : 0}, be = {-1.5, cx ? 0.25 : 0};
+                char what[96];
+                snprintf(what, sizeof what, "perm [%d,%d,%d,%d] variant %d", perms[pi][0], perms[pi][1],
+                         perms[pi][2], perms[pi][3], v);
+                check_pass(d, &l, cj, al, two, be, acc, what);
+            }
+        /* a reduction: dst += Σ_k src over a transposed plane, the summed
+         * index first and last in the walk */
+        sloop_t r = {.rank = 3, .dim = {70, 3, 41}};
+        r.s[0][0] = 1, r.s[0][1] = 0, r.s[0][2] = 70;
+        r.s[1][0] = 41 * 3, r.s[1][1] = 41, r.s[1][2] = 1;
+        check_pass(d, &r, cx, (pb_scalar_t){0.5, cx ? 1 : 0}, false, (pb_scalar_t){0, 0}, true, "reduction");
+        sloop_t r2 = {.rank = 3, .dim = {3, 70, 41}};
+        r2.s[0][0] = 0, r2.s[0][1] = 1, r2.s[0][2] = 70;
+        r2.s[1][0] = 1, r2.s[1][1] = 3 * 41, r2.s[1][2] = 3;
+        check_pass(d, &r2, false, (pb_scalar_t){1, 0}, false, (pb_scalar_t){0, 0}, true, "reduction, summed first");
+        sloop_t r3 = {.rank = 3, .dim = {9, 20, 17}}; /* whole 8 × 8 blocks with dst stride 0 */
+        r3.s[0][0] = 0, r3.s[0][1] = 1, r3.s[0][2] = 20;
+        r3.s[1][0] = 340, r3.s[1][1] = 17, r3.s[1][2] = 1;
+        check_pass(d, &r3, cx, (pb_scalar_t){1, 0}, false, (pb_scalar_t){0, 0}, true, "reduction, 8 × 8 blocks");
+        /* a big 2D transpose: many tiles, the next one prefetched */
+        sloop_t t2 = {.rank = 2, .dim = {300, 97}};
+        t2.s[0][0] = 1, t2.s[0][1] = 300, t2.s[1][0] = 97, t2.s[1][1] = 1, t2.s[2][0] = 1, t2.s[2][1] = 300;
+        check_pass(d, &t2, false, (pb_scalar_t){1, 0}, false, (pb_scalar_t){0, 0}, false, "2D transpose");
+        check_pass(d, &t2, cx, (pb_scalar_t){2, 0}, true, (pb_scalar_t){0.5, 0}, false, "2D transpose, beta");
+    }
+}
+
 /* Rank 16, the contract's most: a permutation and a contraction whose
  * output has rank 16. */
 static void rank16(void **state)
@@ -916,7 +1040,7 @@ static void rank16(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(strided_kernel),   cmocka_unit_test(contract_to_case), cmocka_unit_test(contract_matrix),
+        cmocka_unit_test(strided_kernel),   cmocka_unit_test(strided_paths),    cmocka_unit_test(contract_to_case), cmocka_unit_test(contract_matrix),
         cmocka_unit_test(contract_random),  cmocka_unit_test(contract_spec),    cmocka_unit_test(contract_tape),
         cmocka_unit_test(contract_errors),  cmocka_unit_test(contract_wrt_conj_scalars),
         cmocka_unit_test(add_all),          cmocka_unit_test(trace_all),        cmocka_unit_test(rank16),
