@@ -36,9 +36,16 @@
 #define SYEVD LAPACK(syevd)
 #endif
 
+/* Zeroed work arrays of n elements (never 0 bytes, so never NULL for a
+ * zero-size matrix). */
 static T *FN(zalloc)(size_t n)
 {
     return calloc(n ? n : 1, sizeof(T));
+}
+
+static RT *FN(ralloc)(size_t n)
+{
+    return calloc(n ? n : 1, sizeof(RT));
 }
 
 /* c = alpha·op(a)·op(b) + beta·c, op 'N', 'T' or 'C'. */
@@ -547,7 +554,7 @@ static int FN(svd_factor)(const T *A, int m, int n, T *U, RT *S, T *Vh, pb_err_t
     if (k == 0)
         return 0;
     T *W = FN(zalloc)((size_t)m * n), *ph = FN(zalloc)((size_t)k);
-    RT *superb = calloc((size_t)k, sizeof(RT));
+    RT *superb = FN(ralloc)((size_t)k);
     int rc = PB_ENOMEM;
     if (W && ph && superb) {
         memcpy(W, A, (size_t)m * n * sizeof(T));
@@ -811,7 +818,7 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
     if (info)
         return FN(lapack_fail)("geev", info, err);
 #else
-    RT *wr = calloc((size_t)m, sizeof(RT)), *wi = calloc((size_t)m, sizeof(RT));
+    RT *wr = FN(ralloc)((size_t)m), *wi = FN(ralloc)((size_t)m);
     T *VR = FN(zalloc)((size_t)m * m);
     if (wr == NULL || wi == NULL || VR == NULL) {
         free(wr);
@@ -1278,7 +1285,7 @@ static int FN(load_cot_r)(const pb_tensor_t *t, int n, RT **out)
     *out = NULL;
     if (t->storage == NULL)
         return 0;
-    if ((*out = calloc((size_t)(n ? n : 1), sizeof(RT))) == NULL)
+    if ((*out = FN(ralloc)((size_t)n)) == NULL)
         return PB_ENOMEM;
     memcpy(*out, pb_tensor_data(t), (size_t)n * sizeof(RT));
     return 0;
@@ -1363,7 +1370,7 @@ static int FN(reverse)(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor
         if (kind != FZ_EIGH_VALS && (rc = FN(load_cot)(&cot[1], m, r, &c1)))
             goto out;
         rc = PB_ENOMEM; /* scatter the kept columns into full-size cotangents */
-        if ((r1 && (dD = calloc((size_t)m, sizeof(RT))) == NULL) || (c1 && (dV = FN(zalloc)((size_t)m * m)) == NULL)) {
+        if ((r1 && (dD = FN(ralloc)((size_t)m)) == NULL) || (c1 && (dV = FN(zalloc)((size_t)m * m)) == NULL)) {
             free(dD);
             goto out;
         }
@@ -1380,11 +1387,11 @@ static int FN(reverse)(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor
     }
     case FZ_EIG_FULL:
     case FZ_EIG_VALS: {
-        CT *d0 = NULL, *d1 = NULL, *dAc = calloc((size_t)(m ? m * m : 1), sizeof(CT));
+        CT *d0 = NULL, *d1 = NULL, *dAc = CAT(zalloc, CSFX)((size_t)m * m);
         const CT *D = s0->storage ? pb_tensor_data(s0) : NULL;
         rc = PB_ENOMEM;
-        if (dAc && (cot[0].storage == NULL || (d0 = calloc((size_t)(m ? m : 1), sizeof(CT)))) &&
-            (kind == FZ_EIG_VALS || cot[1].storage == NULL || (d1 = calloc((size_t)(m ? m * m : 1), sizeof(CT))))) {
+        if (dAc && (cot[0].storage == NULL || (d0 = CAT(zalloc, CSFX)((size_t)m))) &&
+            (kind == FZ_EIG_VALS || cot[1].storage == NULL || (d1 = CAT(zalloc, CSFX)((size_t)m * m)))) {
             if (d0)
                 memcpy(d0, pb_tensor_data(&cot[0]), (size_t)m * sizeof(CT));
             if (d1)
@@ -1413,7 +1420,7 @@ static int FN(reverse)(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor
             if ((rc = FN(load_cot_r)(&cot[0], k, &r1)))
                 goto out;
             rc = PB_ENOMEM;
-            if ((ones = calloc((size_t)(k ? k : 1), sizeof(RT))) == NULL)
+            if ((ones = FN(ralloc)((size_t)k)) == NULL)
                 goto out;
             for (int i = 0; i < k; i++)
                 ones[i] = 1;
@@ -1433,7 +1440,7 @@ static int FN(reverse)(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor
         if (kind == FZ_SVD_TRUNC) { /* pad the kept vectors' cotangents to all k */
             rc = PB_ENOMEM;
             T *pu = c0 ? FN(zalloc)((size_t)m * k) : NULL, *pv = c2 ? FN(zalloc)((size_t)k * n) : NULL;
-            if ((c0 && !pu) || (c2 && !pv) || (r1 && (dS = calloc((size_t)k, sizeof(RT))) == NULL)) {
+            if ((c0 && !pu) || (c2 && !pv) || (r1 && (dS = FN(ralloc)((size_t)k)) == NULL)) {
                 free(pu);
                 free(pv);
                 goto out;
@@ -1727,7 +1734,7 @@ static int FN(fd_cotangents)(const pb_call_t *c, pb_tensor_t *cot)
         break;
     }
     case FZ_EIG_FULL: { /* V is complex whatever A is: the complex body does it */
-        CT *V = CAT(out_arr, CSFX)(c, 1), *dV = calloc((size_t)m * m + 1, sizeof(CT));
+        CT *V = CAT(out_arr, CSFX)(c, 1), *dV = CAT(zalloc, CSFX)((size_t)m * m);
         if (V && dV) {
             CAT(load, CSFX)(&cot[1], dV, m, m);
             CAT(drop_phase, CSFX)(V, m, m, dV, NULL);

@@ -13,7 +13,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print
 # The unit suite once more under valgrind (memcheck), where it is installed.
 if command -v valgrind >/dev/null; then
     meson test -C build --suite unit --print-errorlogs \
-        --wrap='valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite -q'
+        --wrap="valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite -q --suppressions=$(pwd)/tests/valgrind.supp"
 fi
 # libFuzzer over the decoder and request validation (clang), for a bounded
 # time: any crash, leak, timeout or out-of-memory fails the run.

@@ -84,8 +84,8 @@ static size_t cols(const pb_tensor_t *t) { return t->rank == 2 ? t->shape[1] : 1
 
 enum { RANDOM, HERMITIAN, LOWRANK };
 
-/* A random m×n A of dtype d: normal entries, Hermitian (B + Bᴴ), or of
- * rank min(m, n) − 5 (a product of normal m×r and r×n). */
+/* A random m×n A of dtype d: normal entries, Hermitian (B + Bᴴ, when
+ * square), or of rank min(m, n) − 5 (a product of normal m×r and r×n). */
 static void make_A(pb_tensor_t *A, pb_dtype_t d, int m, int n, char order, int kind)
 {
     uint64_t sh[2] = {(uint64_t)m, (uint64_t)n};
@@ -113,7 +113,7 @@ static void make_A(pb_tensor_t *A, pb_dtype_t d, int m, int n, char order, int k
     for (int i = 0; i < m; i++)
         for (int j = 0; j < n; j++)
             set(A, (size_t)i, (size_t)j,
-                kind == HERMITIAN ? (B[i * n + j] + conj(B[j * n + i])) * 0.5 : B[i * n + j]);
+                kind == HERMITIAN && m == n ? (B[i * n + j] + conj(B[j * n + i])) * 0.5 : B[i * n + j]);
     free(B);
 }
 
