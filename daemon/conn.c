@@ -2,6 +2,9 @@
 #define _GNU_SOURCE /* struct ucred */
 #include <errno.h>
 #include <stdlib.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -14,8 +17,11 @@
  * copied out of it. */
 #define BIG_MESSAGE (64u << 10)
 #define READ_CHUNK (64u << 10)
-/* Stop reading from a client that does not read its replies. */
-#define MAX_PENDING_WRITE ((size_t)64 << 20)
+/* Stop reading from a connection past this many queued + reserved bytes
+ * (server.h): what a client that does not read its replies may cost. */
+#define MAX_QUEUED ((size_t)64 << 20)
+/* A connection that held this much hands the memory back when it goes. */
+#define TRIM_AFTER (MAX_QUEUED / 4)
 
 static void on_close(uv_handle_t *h)
 {
@@ -27,10 +33,28 @@ void pb_conn_unref(pb_conn_t *c)
 {
     if (--c->refs > 0)
         return;
+    bool trim = c->held_max >= TRIM_AFTER;
     free(c->buf);
     msgpack_sbuffer_destroy(&c->obuf);
     msgpack_zone_destroy(&c->zone);
     free(c);
+#ifdef __GLIBC__
+    /* Its replies were freed by now (writes and requests hold references),
+     * but glibc keeps freed blocks of its arenas resident: a client that
+     * made the daemon hold tens of MiB and left would leave the daemon
+     * that much bigger for good. */
+    if (trim)
+        malloc_trim(0);
+#else
+    (void)trim;
+#endif
+}
+
+static void note_held(pb_conn_t *c)
+{
+    size_t held = c->pending_write + c->reserved;
+    if (held > c->held_max)
+        c->held_max = held;
 }
 
 static void unlink_conn(pb_conn_t *c)
@@ -158,9 +182,14 @@ static void parse_error(pb_conn_t *c, const char *why)
     uv_read_stop((uv_stream_t *)&c->pipe);
 }
 
+/* Counting the replies still to come, not only those queued, is what
+ * bounds a client that never reads: otherwise every request read while
+ * the queue is under the cap adds its reply later.  With nothing in
+ * flight nothing is reserved, so the next request is always read unless
+ * the queue alone is over the cap. */
 static bool blocked(const pb_conn_t *c)
 {
-    return c->inflight >= c->srv->cfg.max_inflight_per_connection || c->pending_write > MAX_PENDING_WRITE;
+    return c->inflight >= c->srv->cfg.max_inflight_per_connection || c->pending_write + c->reserved > MAX_QUEUED;
 }
 
 void pb_conn_process(pb_conn_t *c)
@@ -194,6 +223,7 @@ void pb_conn_process(pb_conn_t *c)
         pb_rpc_message(c, msg, late);
         pb_storage_unref(msg);
     }
+    note_held(c);
     if (!c->closing && !c->close_after_flush) {
         bool stop = blocked(c);
         if (stop && !c->paused) {
@@ -222,9 +252,10 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
     pb_conn_process(c);
 }
 
-void pb_conn_request_done(pb_conn_t *c)
+void pb_conn_request_done(pb_conn_t *c, size_t reserved)
 {
     c->inflight--;
+    c->reserved -= reserved;
     if (c->paused && !c->closing)
         pb_conn_process(c);
 }
@@ -326,6 +357,7 @@ static void write_now(pb_conn_t *c, pb_out_t *o, msgpack_sbuffer *flat)
     r->w.data = r;
     c->refs++;
     c->pending_write += r->bytes;
+    note_held(c);
     int rc = uv_write(&r->w, (uv_stream_t *)&c->pipe, r->bufs, (unsigned)n, on_write);
     if (rc) {
         c->pending_write -= r->bytes;

@@ -45,6 +45,8 @@ struct pb_req {
     pb_tensor_t grad[PB_MAX_IO + 2];
     pb_warnings_t warn;
     pb_req_t *wnext;
+    size_t reply_bytes;   /* forward/augmented_forward: the outputs' bytes */
+    size_t conn_reserved; /* counted in conn->reserved: message, then reply */
 };
 
 static void start_reverse(pb_req_t *r, pb_tape_t *t);
@@ -93,10 +95,11 @@ static void finish(pb_req_t *r)
         pb_log(ours ? PB_LOG_WARNING : PB_LOG_DEBUG, "connection %llu: %s %u: %s: %s", (unsigned long long)c->id,
                r->notify ? "notification" : "msgid", r->msgid, pb_strerror_code(r->rc), r->err.message);
     }
+    size_t reserved = r->conn_reserved;
     req_free(r);
     s->requests_in_flight--;
     s->requests_served++;
-    pb_conn_request_done(c);
+    pb_conn_request_done(c, reserved);
     pb_conn_unref(c);
     pb_server_maybe_finish(s);
 }
@@ -107,6 +110,15 @@ static void fail(pb_req_t *r, int rc)
         pb_err_set(&r->err, rc, NULL, "%s", pb_strerror(rc));
     r->rc = rc;
     finish(r);
+}
+
+/* Count bytes that r holds or will send back against its connection
+ * until r is answered: conn.c stops reading past a cap of queued and
+ * reserved bytes, so replies still to come count as well as queued ones. */
+static void reserve_bytes(pb_req_t *r, size_t bytes)
+{
+    r->conn_reserved += bytes;
+    r->conn->reserved += bytes;
 }
 
 /* ---- param helpers ------------------------------------------------------ */
@@ -404,6 +416,7 @@ static int parse_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *m
         return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_message_bytes",
                           "the outputs would take %zu bytes, more than max_message_bytes %zu", total,
                           s->cfg.max_message_bytes);
+    r->reply_bytes = total;
 
     if (kind == CALL_AUGMENTED) {
         const msgpack_object *sc = pb__obj_get(params, "scope"), *ttl = pb__obj_get(params, "ttl_s");
@@ -889,6 +902,9 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
         r->reserved = r->call.tape_bytes;
         c->ntapes++;
     }
+    /* A check answers with a few numbers. */
+    if (kind != CALL_CHECK)
+        reserve_bytes(r, r->reply_bytes);
     r->encode = kind == CALL_FORWARD ? enc_forward : kind == CALL_AUGMENTED ? enc_augmented : enc_check;
     r->job.run = kind == CALL_CHECK ? run_check : run_forward;
     r->job.done = forward_done;
@@ -1007,6 +1023,17 @@ static void m_reverse(pb_req_t *r, const msgpack_object *params, pb_storage_t *m
     }
     if ((rc = parse_cotangents(r, t, pb__obj_get(params, "cotangents"), msg)))
         return fail(r, rc);
+    /* The gradients are shaped like the inputs they are taken for (alpha
+     * and beta: a scalar each, not worth counting). */
+    size_t grads = 0;
+    for (int k = 0; k < t->data.op->ninputs; k++) {
+        const pb_tensor_t *m = &t->data.in_meta[k];
+        size_t b;
+        if ((t->data.wrt & (1u << k)) &&
+            pb_shape_count(m->rank, m->shape, pb_dtype_size(m->dtype), NULL, &b))
+            grads += b;
+    }
+    reserve_bytes(r, grads);
     r->encode = enc_reverse;
     if (t->busy || t->wait_head)
         enqueue(t, r);
@@ -1194,6 +1221,9 @@ void pb_rpc_message(pb_conn_t *c, pb_storage_t *msg, bool late)
     c->refs++;
     c->inflight++;
     s->requests_in_flight++;
+    /* The request keeps its message (its tensors point into it) until
+     * it is answered. */
+    reserve_bytes(r, msg->size);
     if (late) {
         pb_err_set(&r->err, PB_ESHUTTING_DOWN, NULL, "the daemon is shutting down");
         fail(r, PB_ESHUTTING_DOWN);

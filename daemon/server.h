@@ -10,6 +10,16 @@
  *               (pb_req_t, rpc.h).
  *   in flight   dispatched and not yet answered; past
  *               max_inflight_per_connection the daemon stops reading.
+ *   queued      reply bytes handed to the socket and not yet written
+ *               (pending_write): the client has not read them.
+ *   reserved    bytes the requests in flight hold or will queue: each
+ *               request's message, and the size of its reply as soon as
+ *               it is known (outputs of a forward, gradients of a
+ *               reverse).  Past 64 MiB of queued + reserved bytes the
+ *               daemon stops reading from the connection, so a client
+ *               that never reads costs about that much, whatever its
+ *               in-flight limit; one request is always let in, however
+ *               large.
  *   activated   the listening socket came from systemd (sd.h): the daemon
  *               did not bind it and leaves its file alone on exit.
  *   reload      SIGHUP: the config is loaded again and the limits, drain
@@ -54,6 +64,8 @@ typedef struct pb_conn {
     size_t cap, start, len;
     pb_scan_t scan;
     size_t inflight;
+    size_t reserved;               /* see the glossary; pb_conn_request_done releases */
+    size_t held_max;               /* most queued + reserved bytes seen */
     size_t ntapes;                 /* tapes created here and still held */
     pb_tape_t *tapes;              /* their list */
     msgpack_sbuffer obuf;          /* small replies waiting for the flush */
@@ -114,8 +126,9 @@ void pb_conn_accept(pb_server_t *s);
 void pb_conn_send(pb_conn_t *c, pb_out_t *o);
 void pb_conn_close(pb_conn_t *c);
 void pb_conn_unref(pb_conn_t *c);
-/* A request of c finished: resume reading if it was paused. */
-void pb_conn_request_done(pb_conn_t *c);
+/* A request of c finished and gave back the reserved bytes it held:
+ * resume reading if it was paused. */
+void pb_conn_request_done(pb_conn_t *c, size_t reserved);
 void pb_conn_flush_all(pb_server_t *s);
 /* Serve buffered messages (after a resume). */
 void pb_conn_process(pb_conn_t *c);
