@@ -186,9 +186,12 @@ static void parse_error(pb_conn_t *c, const char *why)
  * bounds a client that never reads: otherwise every request read while
  * the queue is under the cap adds its reply later.  With nothing in
  * flight nothing is reserved, so the next request is always read unless
- * the queue alone is over the cap. */
+ * the queue alone is over the cap.  The last read answers everything
+ * with a short shutting_down and stops on its own. */
 static bool blocked(const pb_conn_t *c)
 {
+    if (c->last_read)
+        return false;
     return c->inflight >= c->srv->cfg.max_inflight_per_connection || c->pending_write + c->reserved > MAX_QUEUED;
 }
 
@@ -224,7 +227,7 @@ void pb_conn_process(pb_conn_t *c)
         pb_storage_unref(msg);
     }
     note_held(c);
-    if (!c->closing && !c->close_after_flush) {
+    if (!c->closing && !c->close_after_flush && !c->last_read) {
         bool stop = blocked(c);
         if (stop && !c->paused) {
             uv_read_stop((uv_stream_t *)&c->pipe);
@@ -258,6 +261,44 @@ void pb_conn_request_done(pb_conn_t *c, size_t reserved)
     c->reserved -= reserved;
     if (c->paused && !c->closing)
         pb_conn_process(c);
+}
+
+void pb_conn_last_read(pb_conn_t *c)
+{
+    if (c->closing || c->close_after_flush || c->last_read)
+        return;
+    uv_os_fd_t fd;
+    if (uv_fileno((uv_handle_t *)&c->pipe, &fd) != 0)
+        return;
+    c->refs++; /* a failed write may close c under us */
+    c->last_read = true;
+    uv_read_stop((uv_stream_t *)&c->pipe);
+    c->paused = true;
+    /* After this the client's writes fail (EPIPE) instead of landing in a
+     * socket nobody reads: a request either is in the socket now and is
+     * answered below, or its sender learns it was not sent. */
+    shutdown(fd, SHUT_RD);
+    int pending = 0;
+    if (ioctl(fd, FIONREAD, &pending) != 0 || pending < 0)
+        pending = 0;
+    size_t left = (size_t)pending;
+    /* Everything is late now: pb_conn_process answers shutting_down. */
+    pb_conn_process(c);
+    while (left > 0 && !c->closing && !c->close_after_flush) {
+        uv_buf_t b;
+        alloc_cb((uv_handle_t *)&c->pipe, left, &b);
+        if (b.base == NULL)
+            break;
+        ssize_t n = recv(fd, b.base, b.len < left ? b.len : left, MSG_DONTWAIT);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            break;
+        c->len += (size_t)n;
+        left -= (size_t)n;
+        pb_conn_process(c);
+    }
+    pb_conn_unref(c);
 }
 
 void pb_conn_accept(pb_server_t *s)

@@ -884,7 +884,10 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
 {
     pb_server_t *s = r->srv;
     pb_conn_t *c = r->conn;
-    if (s->draining || s->stopping) {
+    /* drain and shutdown refuse new forward calls.  SIGTERM does not: what
+     * was sent before it is served normally, and what came later is
+     * refused before it gets here (late, in pb_rpc_message). */
+    if (s->draining) {
         pb_err_set(&r->err, PB_ESHUTTING_DOWN, NULL, "the daemon is draining: no new forward calls");
         return fail(r, PB_ESHUTTING_DOWN);
     }

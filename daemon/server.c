@@ -114,6 +114,8 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     uv_unref((uv_handle_t *)&s->sweep);
     uv_timer_init(loop, &s->drain_timer);
     s->drain_timer.data = s;
+    uv_timer_init(loop, &s->last_read_timer);
+    s->last_read_timer.data = s;
     uv_signal_init(loop, &s->sigterm);
     uv_signal_init(loop, &s->sigint);
     uv_signal_init(loop, &s->sighup);
@@ -305,7 +307,6 @@ void pb_server_stop(pb_server_t *s)
     if (s->stopping)
         return;
     s->stopping = true;
-    s->draining = true;
     close_listener(s);
     update_status(s);
     pb_sd_notify("STOPPING=1\nSTATUS=%s", s->status);
@@ -322,13 +323,45 @@ void pb_server_stop(pb_server_t *s)
     pb_server_maybe_finish(s);
 }
 
+/* Everything sent before the signal is answered.  What came later and
+ * is still in the sockets is answered shutting_down now, from a timer
+ * callback: maybe_finish runs inside requests, whose connection may be
+ * in the middle of pb_conn_process. */
+static void on_last_read(uv_timer_t *t)
+{
+    pb_server_t *s = t->data;
+    if (s->stopped)
+        return;
+    if (!s->drain_expired) {
+        pb_conn_t *next;
+        for (pb_conn_t *c = s->conns; c; c = next) {
+            next = c->next;
+            pb_conn_last_read(c);
+        }
+    }
+    s->last_read_done = true;
+    pb_server_maybe_finish(s);
+}
+
 void pb_server_maybe_finish(pb_server_t *s)
 {
-    if (!s->stopping || s->stopped || s->requests_in_flight > 0)
+    if (!s->stopping || s->stopped)
         return;
-    for (pb_conn_t *c = s->conns; c; c = c->next)
-        if (c->drain_left > 0 && !c->closing)
+    /* Past the drain timeout nothing more is waited for. */
+    if (!s->drain_expired) {
+        if (s->requests_in_flight > 0)
             return;
+        for (pb_conn_t *c = s->conns; c; c = c->next)
+            if (c->drain_left > 0 && !c->closing)
+                return;
+        if (!s->last_read_done) {
+            if (!s->last_read_started) {
+                s->last_read_started = true;
+                uv_timer_start(&s->last_read_timer, on_last_read, 0, 0);
+            }
+            return;
+        }
+    }
     /* Every answer must be out before the connections close: uv_close
      * would cancel writes still queued. */
     pb_conn_flush_all(s);
@@ -339,6 +372,7 @@ void pb_server_maybe_finish(pb_server_t *s)
     while (s->conns)
         pb_conn_close(s->conns);
     uv_timer_stop(&s->drain_timer);
+    uv_timer_stop(&s->last_read_timer);
     uv_stop(s->loop);
 }
 
@@ -354,6 +388,7 @@ void pb_server_destroy(pb_server_t *s)
     uv_close((uv_handle_t *)&s->flush, close_cb_noop);
     uv_close((uv_handle_t *)&s->sweep, close_cb_noop);
     uv_close((uv_handle_t *)&s->drain_timer, close_cb_noop);
+    uv_close((uv_handle_t *)&s->last_read_timer, close_cb_noop);
     uv_close((uv_handle_t *)&s->sigterm, close_cb_noop);
     uv_close((uv_handle_t *)&s->sigint, close_cb_noop);
     uv_close((uv_handle_t *)&s->sighup, close_cb_noop);

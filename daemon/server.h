@@ -20,6 +20,10 @@
  *               that never reads costs about that much, whatever its
  *               in-flight limit; one request is always let in, however
  *               large.
+ *   last read   the end of a SIGTERM drain: the socket is shut for
+ *               reading (the client's later writes fail with EPIPE), the
+ *               bytes already in it are read and each request there is
+ *               answered shutting_down, then the connection closes.
  *   activated   the listening socket came from systemd (sd.h): the daemon
  *               did not bind it and leaves its file alone on exit.
  *   reload      SIGHUP: the config is loaded again and the limits, drain
@@ -57,6 +61,7 @@ typedef struct pb_conn {
     bool shut_sent;                /* uv_shutdown issued for that */
     bool dirty;
     bool processing;               /* inside pb_conn_process */
+    bool last_read;                /* socket shut for reading; refusing the rest */
     uint64_t id;
     uid_t uid;
     pid_t pid;
@@ -81,6 +86,7 @@ typedef struct pb_server {
     bool listening;
     uv_signal_t sigterm, sigint, sighup;
     uv_timer_t sweep, drain_timer;
+    uv_timer_t last_read_timer;    /* runs the last reads outside any request */
     uv_timer_t status_timer;       /* STATUS= to systemd, when notifying */
     uv_timer_t watchdog_timer;     /* WATCHDOG=1, when systemd asks for it */
     bool activated;                /* listener fd passed by systemd */
@@ -101,6 +107,7 @@ typedef struct pb_server {
     bool stopping;                 /* SIGTERM or shutdown */
     bool stopped;
     bool drain_expired;            /* --drain-timeout passed: stop regardless */
+    bool last_read_started, last_read_done;
     uid_t self_uid;
 } pb_server_t;
 
@@ -129,6 +136,9 @@ void pb_conn_unref(pb_conn_t *c);
 /* A request of c finished and gave back the reserved bytes it held:
  * resume reading if it was paused. */
 void pb_conn_request_done(pb_conn_t *c, size_t reserved);
+/* The end of a SIGTERM drain: shut c for reading and answer what is left
+ * in its socket with shutting_down (see last read). */
+void pb_conn_last_read(pb_conn_t *c);
 void pb_conn_flush_all(pb_server_t *s);
 /* Serve buffered messages (after a resume). */
 void pb_conn_process(pb_conn_t *c);

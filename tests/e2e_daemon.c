@@ -837,11 +837,13 @@ static void shutdown_method(void **state)
     if (getuid() == 0 || r.error == NULL) {
         assert_null(r.error);
         pb_reply_free(&r);
-        /* A later request: shutting_down, or the connection is gone. */
+        /* A later request: refused with shutting_down, or its send fails
+         * (the daemon has shut the socket for reading); never dropped. */
         msgpack_packer *pk = pb_client_begin(o, "hello");
         msgpack_pack_map(pk, 0);
         uint32_t id;
-        if (pb_client_send(o, &id) == 0 && pb_client_recv_timeout(o, &r, 5000) == 0) {
+        if (pb_client_send(o, &id) == 0) {
+            assert_int_equal(pb_client_recv_timeout(o, &r, 5000), 0);
             assert_string_equal(pb_reply_code(&r), "shutting_down");
             pb_reply_free(&r);
         }
@@ -953,6 +955,126 @@ static void sigterm_drain(void **state)
     int st;
     assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
     assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    pb_client_close(c);
+}
+
+/* One reply of sigterm_pipelined: its request was sent (state 1 before
+ * kill(), 2 after); it is now answered (3). */
+static void pipelined_reply(unsigned char *state, size_t n, const pb_reply_t *r, size_t *normal, size_t *refused)
+{
+    if (r->msgid >= n || (state[r->msgid] != 1 && state[r->msgid] != 2))
+        fail_msg("a reply to msgid %u, which was not sent or was answered already", r->msgid);
+    if (r->error == NULL) {
+        /* A forward, or one of the checks. */
+        assert_true(pb_obj_path(r->result, "outputs.y") != NULL || pb_obj_get(r->result, "max_rel_err") != NULL);
+        ++*normal;
+    } else if (state[r->msgid] == 2 && strcmp(pb_reply_code(r), "shutting_down") == 0) {
+        ++*refused;
+    } else {
+        fail_msg("msgid %u, sent %s SIGTERM: %s: %s", r->msgid, state[r->msgid] == 1 ? "before" : "after",
+                 pb_reply_code(r), pb_reply_message(r));
+    }
+    state[r->msgid] = 3;
+}
+
+/* SIGTERM while a client pipelines without a pause: every request whose
+ * send succeeded is answered, normally when it was sent before the signal,
+ * normally or shutting_down after it.  None is lost when the daemon closes:
+ * it answers what is left in the socket and shuts it for reading, so a
+ * later send fails instead of vanishing.  Then the daemon exits 0. */
+static void sigterm_pipelined(void **state)
+{
+    (void)state;
+    daemon_t d;
+    /* One request in flight at a time: while a slow one runs the daemon
+     * does not read, and what the client sends piles up in the socket. */
+    assert_int_equal(start(&d, "termpipe.sock", "--max-inflight-per-connection", "1", NULL), 0);
+    pb_client_t *c = conn(&d);
+    enum { MAXID = 1 << 20, BEFORE = 200 };
+    static unsigned char st[MAXID]; /* by msgid: 0 not sent, 1 sent before, 2 after, 3 answered */
+    memset(st, 0, sizeof st);
+    /* Slow checks just before the signal (small requests and replies,
+     * but a 512×512 gelu run ten times each) keep the drain going while
+     * the client fills the socket: the daemon must answer what is left in
+     * it when the drain is over. */
+    enum { SLOW = 4, SLOW_N = 512 };
+    static double col[SLOW_N];
+    for (int i = 0; i < SLOW_N; i++)
+        col[i] = (i % 7) * 0.1 - 0.3;
+    pb_ctensor_t w1 = {.dtype = "f64", .rank = 2, .shape = {SLOW_N, 1}, .data = col, .nbytes = sizeof col};
+    pb_ctensor_t x1 = {.dtype = "f64", .rank = 2, .shape = {1, SLOW_N}, .data = col, .nbytes = sizeof col};
+    fd_t f;
+    random_fd(&f, "f64", "gelu", 37);
+    size_t normal = 0, refused = 0, sent_after = 0;
+    pb_reply_t r;
+    int rc;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    time_t give_up = ts.tv_sec + 20;
+    for (int i = 0;; i++) {
+        if (i == BEFORE)
+            kill(d.pid, SIGTERM);
+        bool slow = i >= BEFORE - SLOW && i < BEFORE;
+        msgpack_packer *pk = pb_client_begin(c, slow ? "check" : "forward");
+        msgpack_pack_map(pk, slow ? 4 : 3);
+        pb_pack_kv_str(pk, "op", "fused_dense");
+        if (slow) {
+            pb_pack_str(pk, "inputs");
+            msgpack_pack_map(pk, 2);
+            pb_pack_str(pk, "weight");
+            pb_pack_tensor(pk, &w1);
+            pb_pack_str(pk, "x");
+            pb_pack_tensor(pk, &x1);
+            pb_pack_str(pk, "wrt");
+            msgpack_pack_array(pk, 2);
+            pb_pack_str(pk, "weight");
+            pb_pack_str(pk, "x");
+        } else {
+            pack_inputs(pk, &f);
+        }
+        pb_pack_str(pk, "options");
+        msgpack_pack_map(pk, 1);
+        pb_pack_kv_str(pk, "act", "gelu");
+        uint32_t id;
+        if ((rc = pb_client_send(c, &id)) < 0) {
+            assert_int_equal(rc, -EPIPE);
+            assert_true(i >= BEFORE);
+            break;
+        }
+        assert_true(id < MAXID);
+        st[id] = i < BEFORE ? 1 : 2;
+        sent_after += i >= BEFORE;
+        while ((rc = pb_client_recv_timeout(c, &r, 0)) == 0) {
+            pipelined_reply(st, MAXID, &r, &normal, &refused);
+            pb_reply_free(&r);
+        }
+        assert_true(rc == -ETIMEDOUT || rc == -EPIPE);
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        if (rc == -EPIPE || id == MAXID - 1 || ts.tv_sec > give_up)
+            break;
+    }
+    /* The rest, until the daemon closes the connection. */
+    while ((rc = pb_client_recv_timeout(c, &r, 20000)) == 0) {
+        pipelined_reply(st, MAXID, &r, &normal, &refused);
+        pb_reply_free(&r);
+    }
+    assert_int_equal(rc, -EPIPE);
+    size_t lost = 0;
+    uint32_t first = 0;
+    for (uint32_t id = 0; id < MAXID; id++)
+        if (st[id] == 1 || st[id] == 2) {
+            if (lost++ == 0)
+                first = id;
+        }
+    print_message("sigterm_pipelined: %zu requests sent after SIGTERM; %zu answered normally in all, %zu "
+                  "refused with shutting_down, %zu never answered\n",
+                  sent_after, normal, refused, lost);
+    if (lost)
+        fail_msg("%zu requests sent were never answered (the first: msgid %u, sent %s SIGTERM)", lost, first,
+                 st[first] == 1 ? "before" : "after");
+    int status;
+    assert_int_equal(waitpid(d.pid, &status, 0), d.pid);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     pb_client_close(c);
 }
 
@@ -1101,7 +1223,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(bad_message_isolated), cmocka_unit_test(ttl_expiry),
         cmocka_unit_test(limits),           cmocka_unit_test(shutdown_method),
         cmocka_unit_test(socket_takeover),  cmocka_unit_test(back_pressure),
-        cmocka_unit_test(sigterm_drain),    cmocka_unit_test(drain_method),
+        cmocka_unit_test(sigterm_drain),    cmocka_unit_test(sigterm_pipelined),
+        cmocka_unit_test(drain_method),
         cmocka_unit_test(slow_request_isolated),
     };
     return cmocka_run_group_tests_name("e2e.daemon", tests, setup, teardown);

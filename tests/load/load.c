@@ -27,9 +27,11 @@
  *          the limit, and the daemon must be up and quiet afterwards.
  *   drain  after --seconds of load, SIGTERM while the clients keep sending:
  *          every request whose send completed before the signal must be
- *          answered normally; later ones may be answered or refused with
- *          shutting_down, or cut off when the daemon closes; the daemon
- *          must exit 0.  Prints the time from the signal to its exit.
+ *          answered normally; later ones answered normally or refused with
+ *          shutting_down, none cut off when the daemon closes (once it has
+ *          shut a socket for reading a send fails, and a request whose send
+ *          failed was not sent); the daemon must exit 0.  Prints the time
+ *          from the signal to its exit.
  * Every mode ends with SIGTERM and requires exit status 0 (under ASan that
  * includes the leak check).  Exit 0 when every check passed, 1 otherwise.
  *
@@ -237,9 +239,9 @@ static void cut_off(client_t *cl, int rc)
             continue;
         if (cfg.mode == MODE_DRAIN && sig != 0 && !s->before_signal)
             cl->cut_off_late++;
-        else
-            lc_fail("client %d: %s of case %d (msgid %u%s) never answered: %s", cl->id, state_name[s->state],
-                    s->kase, s->msgid, s->before_signal && sig ? ", sent before SIGTERM" : "", strerror(-rc));
+        lc_fail("client %d: %s of case %d (msgid %u, sent %s) never answered: %s", cl->id, state_name[s->state],
+                s->kase, s->msgid, !sig ? "with no signal" : s->before_signal ? "before SIGTERM" : "after SIGTERM",
+                strerror(-rc));
         s->state = SLOT_FREE;
     }
     cl->busy = 0;
@@ -545,7 +547,7 @@ static int run_drain(void)
     print_totals("drain", &t, cfg.seconds);
     printf("drain    SIGTERM under load: exit after %.1f ms; %llu requests sent before the signal were answered "
            "after it (all of them, or a FAIL above); of those sent later %llu were refused with shutting_down "
-           "and %llu cut off by the close\n",
+           "and %llu cut off by the close (must be 0)\n",
            (t_exit - t_sig) / 1e6, (unsigned long long)t.answered_in_drain, (unsigned long long)t.refused_late,
            (unsigned long long)t.cut_off_late);
     free(t.lat);
