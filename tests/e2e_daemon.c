@@ -4,7 +4,9 @@
  * Run as `e2e_daemon PATH_TO_PULLBACKD`.  Numbers are checked against a
  * naive reference written here: f64 to 1e-12 relative, f32 to 2e-5. */
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <poll.h>
 #include <setjmp.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -1078,6 +1080,79 @@ static void sigterm_pipelined(void **state)
     pb_client_close(c);
 }
 
+/* SIGTERM with a client that stopped reading: the daemon has stopped
+ * reading from it too (its replies fill the 64 MiB cap), so requests the
+ * client sent before the signal stay in the socket.  --drain-timeout must
+ * still end the drain: the daemon exits 0 soon after it, rather than wait
+ * for bytes it will never read. */
+static void sigterm_client_not_reading(void **state)
+{
+    (void)state;
+    daemon_t d;
+    assert_int_equal(start(&d, "termstuck.sock", "--drain-timeout", "0.5", NULL), 0);
+    /* A 16 KiB request with an 8 MiB reply (y = W·x, W 1024×1, x 1×1024). */
+    enum { N = 1024 };
+    static double v[N];
+    for (int i = 0; i < N; i++)
+        v[i] = 0.001 * (i % 100);
+    pb_ctensor_t w = {.dtype = "f64", .rank = 2, .shape = {N, 1}, .data = v, .nbytes = sizeof v};
+    pb_ctensor_t x = {.dtype = "f64", .rank = 2, .shape = {1, N}, .data = v, .nbytes = sizeof v};
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 0);
+    msgpack_pack_uint32(&pk, 1);
+    pb_pack_str(&pk, "forward");
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_map(&pk, 2);
+    pb_pack_kv_str(&pk, "op", "fused_dense");
+    pb_pack_str(&pk, "inputs");
+    msgpack_pack_map(&pk, 2);
+    pb_pack_str(&pk, "weight");
+    pb_pack_tensor(&pk, &w);
+    pb_pack_str(&pk, "x");
+    pb_pack_tensor(&pk, &x);
+
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    snprintf(a.sun_path, sizeof a.sun_path, "%s", d.path);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    int small = 64 << 10;
+    setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    /* Send until the socket has stayed full for 200 ms (at most 10 s). */
+    size_t off = 0;
+    int idle_ms = 0;
+    for (int ms = 0; idle_ms < 200 && ms < 10000;) {
+        ssize_t n = send(fd, sb.data + off, sb.size - off, MSG_NOSIGNAL);
+        if (n > 0) {
+            off = (off + (size_t)n) % sb.size;
+            idle_ms = 0;
+            continue;
+        }
+        assert_true(n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK));
+        struct pollfd p = {.fd = fd, .events = POLLOUT};
+        poll(&p, 1, 10);
+        idle_ms += 10, ms += 10;
+    }
+    assert_true(idle_ms >= 200);
+    kill(d.pid, SIGTERM);
+    int status = 0;
+    pid_t got = 0;
+    for (int i = 0; i < 1000 && (got = waitpid(d.pid, &status, WNOHANG)) == 0; i++)
+        usleep(10000);
+    if (got != d.pid) {
+        kill(d.pid, SIGKILL);
+        waitpid(d.pid, &status, 0);
+        fail_msg("the daemon was still running 10 s after SIGTERM with --drain-timeout 0.5");
+    }
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    close(fd);
+    msgpack_sbuffer_destroy(&sb);
+}
+
 /* drain: no new forward calls, but reverse and release are still served. */
 static void drain_method(void **state)
 {
@@ -1224,7 +1299,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(limits),           cmocka_unit_test(shutdown_method),
         cmocka_unit_test(socket_takeover),  cmocka_unit_test(back_pressure),
         cmocka_unit_test(sigterm_drain),    cmocka_unit_test(sigterm_pipelined),
-        cmocka_unit_test(drain_method),
+        cmocka_unit_test(sigterm_client_not_reading), cmocka_unit_test(drain_method),
         cmocka_unit_test(slow_request_isolated),
     };
     return cmocka_run_group_tests_name("e2e.daemon", tests, setup, teardown);
