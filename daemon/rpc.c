@@ -6,13 +6,12 @@
 
 #include "../kernels/check.h"
 #include "log.h"
+#include "request.h"
 
 #ifndef PB_VERSION
 #define PB_VERSION "0"
 #endif
 
-#define DEFAULT_TTL_MS 600000u
-#define MAX_TTL_S 31536000.0
 
 typedef struct pb_req pb_req_t;
 typedef void (*encode_fn)(pb_req_t *, pb_out_t *);
@@ -123,41 +122,6 @@ static void reserve_bytes(pb_req_t *r, size_t bytes)
 
 /* ---- param helpers ------------------------------------------------------ */
 
-/* Every key of params must be one of allowed. */
-static int check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err)
-{
-    for (uint32_t i = 0; i < params->via.map.size; i++) {
-        const msgpack_object *k = &params->via.map.ptr[i].key;
-        if (k->type != MSGPACK_OBJECT_STR)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "params keys must be strings");
-        bool ok = false;
-        for (const char *const *a = allowed; *a && !ok; a++)
-            ok = pb__obj_is_str(k, *a);
-        if (!ok) {
-            char list[200] = "none";
-            size_t o = 0;
-            for (const char *const *a = allowed; *a && o < sizeof list; a++)
-                o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", a == allowed ? "" : ", ", *a);
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "unknown key '%.*s' in params (expected: %s)",
-                              (int)(k->via.str.size > 40 ? 40 : k->via.str.size), k->via.str.ptr, list);
-        }
-    }
-    return 0;
-}
-
-static int get_order(const msgpack_object *params, char *order, pb_err_t *err)
-{
-    const msgpack_object *o = pb__obj_get(params, "order");
-    *order = 'C';
-    if (o == NULL)
-        return 0;
-    if (pb__obj_is_str(o, "F"))
-        *order = 'F';
-    else if (!pb__obj_is_str(o, "C"))
-        return pb_err_set(err, PB_EINVALID_ARGUMENT, "order", "order must be \"C\" or \"F\"");
-    return 0;
-}
-
 static int get_handle(const msgpack_object *params, uint64_t *h, pb_err_t *err)
 {
     const msgpack_object *o = pb__obj_get(params, "tape");
@@ -165,281 +129,6 @@ static int get_handle(const msgpack_object *params, uint64_t *h, pb_err_t *err)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "tape", "missing tape (the handle from augmented_forward)");
     if (!pb__obj_uint(o, h))
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "tape", "tape must be a uint64 handle");
-    return 0;
-}
-
-/* what = prefix + name, cut to len: the success path must not pay for
- * vsnprintf just to have the argument name ready for an error. */
-static void join(char *what, size_t len, const char *prefix, const char *name)
-{
-    size_t a = strlen(prefix), b = strlen(name);
-    if (a >= len)
-        a = len - 1;
-    if (b >= len - a)
-        b = len - a - 1;
-    memcpy(what, prefix, a);
-    memcpy(what + a, name, b);
-    what[a + b] = 0;
-}
-
-/* A list of axis numbers; their meaning (a permutation, distinct, < rank)
- * is the op's to check against the shapes.  0, or -1 when malformed. */
-static int parse_axes(const msgpack_object *v, int *n, signed char *ax)
-{
-    if (v->type != MSGPACK_OBJECT_ARRAY || v->via.array.size > PB_MAX_RANK)
-        return -1;
-    for (uint32_t i = 0; i < v->via.array.size; i++) {
-        const msgpack_object *e = &v->via.array.ptr[i];
-        if (e->type != MSGPACK_OBJECT_POSITIVE_INTEGER || e->via.u64 >= PB_MAX_RANK)
-            return -1;
-        ax[i] = (signed char)e->via.u64;
-    }
-    *n = (int)v->via.array.size;
-    return 0;
-}
-
-static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err)
-{
-    const pb_op_t *op = c->op;
-    if (opts == NULL)
-        return 0;
-    if (opts->type != MSGPACK_OBJECT_MAP)
-        return pb_err_set(err, PB_EINVALID_ARGUMENT, "options", "options must be a map");
-    for (uint32_t i = 0; i < opts->via.map.size; i++) {
-        const msgpack_object *k = &opts->via.map.ptr[i].key, *v = &opts->via.map.ptr[i].val;
-        int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_option_index(op, k->via.str.ptr, k->via.str.size) : -1;
-        if (idx < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "options", "%s has no option '%.*s'", op->name,
-                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
-                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
-        const pb_opt_spec_t *sp = &op->options[idx];
-        pb_optval_t *ov = &c->opt[idx];
-        char arg[64];
-        join(arg, sizeof arg, "options.", sp->name);
-        if (ov->given)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "option %s given twice", sp->name);
-        ov->given = true;
-        switch (sp->type) {
-        case PB_OPT_STR: {
-            bool found = false;
-            if (v->type == MSGPACK_OBJECT_STR && sp->values) {
-                for (int j = 0; sp->values[j] && !found; j++)
-                    if (pb__obj_is_str(v, sp->values[j])) {
-                        ov->index = j;
-                        found = true;
-                    }
-            }
-            if (!found) {
-                char list[256] = "";
-                size_t o = 0;
-                for (int j = 0; sp->values && sp->values[j] && o < sizeof list; j++)
-                    o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", j ? ", " : "", sp->values[j]);
-                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be one of: %s", sp->name, list);
-            }
-            break;
-        }
-        case PB_OPT_BOOL:
-            if (v->type != MSGPACK_OBJECT_BOOLEAN)
-                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be true or false", sp->name);
-            ov->b = v->via.boolean;
-            break;
-        case PB_OPT_INT:
-            if (v->type == MSGPACK_OBJECT_POSITIVE_INTEGER && v->via.u64 <= INT64_MAX)
-                ov->i = (long long)v->via.u64;
-            else if (v->type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
-                ov->i = v->via.i64;
-            else
-                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be an integer", sp->name);
-            break;
-        case PB_OPT_FLOAT:
-            if (!pb__obj_number(v, &ov->re))
-                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a number", sp->name);
-            break;
-        case PB_OPT_SCALAR:
-            ov->im = 0;
-            if (pb__obj_number(v, &ov->re))
-                break;
-            if (v->type == MSGPACK_OBJECT_ARRAY && v->via.array.size == 2 &&
-                pb__obj_number(&v->via.array.ptr[0], &ov->re) && pb__obj_number(&v->via.array.ptr[1], &ov->im)) {
-                ov->cplx = true;
-                break;
-            }
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a number or [re, im]", sp->name);
-        case PB_OPT_AXES:
-            if (parse_axes(v, &ov->nax[0], ov->ax[0]))
-                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg,
-                                  "%s must be a list of at most 16 axis numbers 0..15", sp->name);
-            break;
-        case PB_OPT_AXES2:
-            if (v->type != MSGPACK_OBJECT_ARRAY || v->via.array.size != 2 ||
-                parse_axes(&v->via.array.ptr[0], &ov->nax[0], ov->ax[0]) ||
-                parse_axes(&v->via.array.ptr[1], &ov->nax[1], ov->ax[1]))
-                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg,
-                                  "%s must be two lists of axis numbers 0..15, as [[0, 2], [1]]", sp->name);
-            break;
-        case PB_OPT_TEXT:
-            if (v->type != MSGPACK_OBJECT_STR || v->via.str.size > PB_OPT_TEXT_MAX)
-                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a string of at most %d bytes",
-                                  sp->name, PB_OPT_TEXT_MAX);
-            memcpy(ov->text, v->via.str.ptr, v->via.str.size);
-            ov->text[v->via.str.size] = 0;
-            break;
-        }
-    }
-    return 0;
-}
-
-static int parse_wrt(pb_call_t *c, const msgpack_object *w, pb_err_t *err)
-{
-    const pb_op_t *op = c->op;
-    if (w == NULL)
-        return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "missing wrt (the inputs whose gradients reverse will want)");
-    if (w->type != MSGPACK_OBJECT_ARRAY)
-        return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt must be an array of input names");
-    for (uint32_t i = 0; i < w->via.array.size; i++) {
-        const msgpack_object *n = &w->via.array.ptr[i];
-        int k = n->type == MSGPACK_OBJECT_STR ? pb_op_wrt_index(op, n->via.str.ptr, n->via.str.size) : -1;
-        if (k < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt[%u] is not a differentiable input of %s", i,
-                              op->name);
-        if (c->wrt & (1u << k))
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt names %s twice", op->wrt_names[k]);
-        if (k < op->ninputs && c->in[k].storage == NULL)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt names %s, which was not given in inputs",
-                              op->wrt_names[k]);
-        c->wrt |= 1u << k;
-    }
-    return 0;
-}
-
-enum call_kind { CALL_FORWARD, CALL_AUGMENTED, CALL_CHECK };
-
-/* Decode and validate {op, inputs, options, device, order, wrt, ...}. */
-static int parse_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg, enum call_kind kind)
-{
-    static const char *const k_fwd[] = {"op", "inputs", "options", "device", "order", NULL};
-    static const char *const k_aug[] = {"op", "inputs", "options", "device", "order", "wrt", "scope", "ttl_s", NULL};
-    static const char *const k_chk[] = {"op", "inputs", "options", "device", "wrt", "seed", NULL};
-    pb_err_t *err = &r->err;
-    pb_call_t *c = &r->call;
-    pb_server_t *s = r->srv;
-    int rc = check_keys(params, kind == CALL_FORWARD ? k_fwd : kind == CALL_AUGMENTED ? k_aug : k_chk, err);
-    if (rc)
-        return rc;
-    const msgpack_object *opn = pb__obj_get(params, "op");
-    if (opn == NULL || opn->type != MSGPACK_OBJECT_STR)
-        return pb_err_set(err, PB_EINVALID_ARGUMENT, "op", "op must be the name of an op (see the ops method)");
-    c->op = pb_op_find(opn->via.str.ptr, opn->via.str.size);
-    if (c->op == NULL)
-        return pb_err_set(err, PB_EUNKNOWN_OP, "op", "unknown op '%.*s' (see the ops method)",
-                          (int)(opn->via.str.size > 40 ? 40 : opn->via.str.size), opn->via.str.ptr);
-    const pb_op_t *op = c->op;
-
-    const msgpack_object *in = pb__obj_get(params, "inputs");
-    if (in == NULL || in->type != MSGPACK_OBJECT_MAP)
-        return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "inputs must be a map from input names to tensors");
-    for (uint32_t i = 0; i < in->via.map.size; i++) {
-        const msgpack_object *k = &in->via.map.ptr[i].key;
-        int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_input_index(op, k->via.str.ptr, k->via.str.size) : -1;
-        if (idx < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "%s has no input '%.*s'", op->name,
-                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
-                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
-        char what[64];
-        join(what, sizeof what, "inputs.", op->inputs[idx].name);
-        if (c->in[idx].storage)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "input %s given twice", op->inputs[idx].name);
-        if ((rc = pb_tensor_decode(&in->via.map.ptr[i].val, msg, what, &c->in[idx], err)))
-            return rc;
-    }
-    int first = -1;
-    for (int i = 0; i < op->ninputs; i++) {
-        char what[64];
-        join(what, sizeof what, "inputs.", op->inputs[i].name);
-        if (c->in[i].storage == NULL) {
-            if (op->inputs[i].required)
-                return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "missing required input %s of %s",
-                                  op->inputs[i].name, op->name);
-            continue;
-        }
-        if (!(op->dtypes & PB_DTYPE_BIT(c->in[i].dtype)))
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s does not take dtype %s (input %s)", op->name,
-                              pb_dtype_name(c->in[i].dtype), op->inputs[i].name);
-        if (first < 0)
-            first = i;
-        else if (c->in[i].dtype != c->in[first].dtype)
-            return pb_err_set(err, PB_EDTYPE_MISMATCH, what, "input %s is %s but %s is %s", op->inputs[i].name,
-                              pb_dtype_name(c->in[i].dtype), op->inputs[first].name,
-                              pb_dtype_name(c->in[first].dtype));
-    }
-    c->dtype = c->in[first].dtype;
-
-    if ((rc = parse_options(c, pb__obj_get(params, "options"), err)))
-        return rc;
-    pb_call_defaults(c);
-    for (int i = 0; i < op->noptions; i++) {
-        char arg[64];
-        join(arg, sizeof arg, "options.", op->options[i].name);
-        if (op->options[i].type == PB_OPT_SCALAR && c->opt[i].im != 0 && !pb_dtype_is_complex(c->dtype))
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, arg,
-                              "%s has a nonzero imaginary part but the inputs are real (%s)", op->options[i].name,
-                              pb_dtype_name(c->dtype));
-    }
-
-    c->device = s->cfg.device;
-    const msgpack_object *dev = pb__obj_get(params, "device");
-    if (dev) {
-        if (dev->type != MSGPACK_OBJECT_STR || pb_device_parse(dev->via.str.ptr, dev->via.str.size, &c->device))
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "device", "device must be \"cpu\", \"cuda\" or \"cuda:N\"");
-    }
-    if (c->device.kind != PB_DEV_CPU)
-        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device",
-                          "device cuda:%d is not available: this daemon has no CUDA devices", c->device.index);
-    if (!(op->devices & (1u << c->device.kind)))
-        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device", "%s has no implementation on this device",
-                          op->name);
-
-    if ((rc = get_order(params, &c->order, err)))
-        return rc;
-    if (kind != CALL_FORWARD && (rc = parse_wrt(c, pb__obj_get(params, "wrt"), err)))
-        return rc;
-    c->taped = kind != CALL_FORWARD;
-    if ((rc = op->validate(c, err)))
-        return rc;
-    size_t total = 0;
-    for (int i = 0; i < op->noutputs; i++) {
-        size_t b;
-        pb_shape_count(c->out_meta[i].rank, c->out_meta[i].shape, pb_dtype_size(c->out_meta[i].dtype), NULL, &b);
-        total += b;
-    }
-    if (total > s->cfg.max_message_bytes)
-        return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_message_bytes",
-                          "the outputs would take %zu bytes, more than max_message_bytes %zu", total,
-                          s->cfg.max_message_bytes);
-    r->reply_bytes = total;
-
-    if (kind == CALL_AUGMENTED) {
-        const msgpack_object *sc = pb__obj_get(params, "scope"), *ttl = pb__obj_get(params, "ttl_s");
-        if (sc && pb__obj_is_str(sc, "peer"))
-            r->peer_scope = true;
-        else if (sc && !pb__obj_is_str(sc, "connection"))
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "scope", "scope must be \"connection\" or \"peer\"");
-        r->ttl_ms = DEFAULT_TTL_MS;
-        if (ttl) {
-            double v;
-            if (!pb__obj_number(ttl, &v) || !(v > 0) || v > MAX_TTL_S)
-                return pb_err_set(err, PB_EINVALID_ARGUMENT, "ttl_s",
-                                  "ttl_s must be a number of seconds > 0 and at most %.0f", MAX_TTL_S);
-            r->ttl_ms = (uint64_t)(v * 1000.0 + 0.5);
-            if (r->ttl_ms == 0)
-                r->ttl_ms = 1;
-        }
-    }
-    if (kind == CALL_CHECK) {
-        const msgpack_object *sd = pb__obj_get(params, "seed");
-        if (sd && !pb__obj_uint(sd, &r->seed))
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "seed", "seed must be a non-negative integer");
-    }
     return 0;
 }
 
@@ -880,7 +569,7 @@ static void submit(pb_req_t *r, double cost, pb_device_t dev)
     }
 }
 
-static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg, enum call_kind kind)
+static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg, pb_call_kind_t kind)
 {
     pb_server_t *s = r->srv;
     pb_conn_t *c = r->conn;
@@ -891,10 +580,15 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
         pb_err_set(&r->err, PB_ESHUTTING_DOWN, NULL, "the daemon is draining: no new forward calls");
         return fail(r, PB_ESHUTTING_DOWN);
     }
-    int rc = parse_call(r, params, msg, kind);
+    pb_call_extra_t x = {0};
+    int rc = pb_request_call(&s->cfg, params, msg, kind, &r->call, &x, &r->err);
     if (rc)
         return fail(r, rc);
-    if (kind == CALL_AUGMENTED) {
+    r->peer_scope = x.peer_scope;
+    r->ttl_ms = x.ttl_ms;
+    r->seed = x.seed;
+    r->reply_bytes = x.reply_bytes;
+    if (kind == PB_CALL_AUGMENTED) {
         if (c->ntapes >= s->cfg.max_tapes_per_connection) {
             pb_err_set(&r->err, PB_ERESOURCE_EXHAUSTED, "max_tapes_per_connection",
                        "this connection holds %zu tapes, the max_tapes_per_connection limit", c->ntapes);
@@ -906,19 +600,19 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
         c->ntapes++;
     }
     /* A check answers with a few numbers. */
-    if (kind != CALL_CHECK)
+    if (kind != PB_CALL_CHECK)
         reserve_bytes(r, r->reply_bytes);
-    r->encode = kind == CALL_FORWARD ? enc_forward : kind == CALL_AUGMENTED ? enc_augmented : enc_check;
-    r->job.run = kind == CALL_CHECK ? run_check : run_forward;
+    r->encode = kind == PB_CALL_FORWARD ? enc_forward : kind == PB_CALL_AUGMENTED ? enc_augmented : enc_check;
+    r->job.run = kind == PB_CALL_CHECK ? run_check : run_forward;
     r->job.done = forward_done;
     /* A check runs the op about 4·|wrt| + 2 times. */
-    double cost = r->call.cost * (kind == CALL_CHECK ? 4.0 * r->call.op->nwrt + 2 : 1);
+    double cost = r->call.cost * (kind == PB_CALL_CHECK ? 4.0 * r->call.op->nwrt + 2 : 1);
     submit(r, cost, r->call.device);
 }
 
-static void m_forward(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, CALL_FORWARD); }
-static void m_augmented(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, CALL_AUGMENTED); }
-static void m_check(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, CALL_CHECK); }
+static void m_forward(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, PB_CALL_FORWARD); }
+static void m_augmented(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, PB_CALL_AUGMENTED); }
+static void m_check(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, PB_CALL_CHECK); }
 
 /* ---- reverse, release --------------------------------------------------- */
 
@@ -964,51 +658,15 @@ static void start_reverse(pb_req_t *r, pb_tape_t *t)
     submit(r, cost, t->data.device);
 }
 
-static int parse_cotangents(pb_req_t *r, const pb_tape_t *t, const msgpack_object *cots, pb_storage_t *msg)
-{
-    const pb_op_t *op = t->data.op;
-    pb_err_t *err = &r->err;
-    if (cots == NULL)
-        return 0;
-    if (cots->type != MSGPACK_OBJECT_MAP)
-        return pb_err_set(err, PB_EINVALID_ARGUMENT, "cotangents", "cotangents must be a map from output names to tensors");
-    for (uint32_t i = 0; i < cots->via.map.size; i++) {
-        const msgpack_object *k = &cots->via.map.ptr[i].key;
-        int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_output_index(op, k->via.str.ptr, k->via.str.size) : -1;
-        if (idx < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "cotangents", "%s has no output '%.*s'", op->name,
-                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
-                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
-        char what[64];
-        join(what, sizeof what, "cotangents.", op->outputs[idx]);
-        if (r->cot[idx].storage)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "cotangent %s given twice", op->outputs[idx]);
-        int rc = pb_tensor_decode(&cots->via.map.ptr[i].val, msg, what, &r->cot[idx], err);
-        if (rc)
-            return rc;
-        const pb_tensor_t *m = &t->data.out_meta[idx];
-        char s1[96], s2[96];
-        if (r->cot[idx].dtype != m->dtype)
-            return pb_err_set(err, PB_EDTYPE_MISMATCH, what, "cotangent %s is %s but output %s is %s",
-                              op->outputs[idx], pb_dtype_name(r->cot[idx].dtype), op->outputs[idx],
-                              pb_dtype_name(m->dtype));
-        if (!pb_tensor_same_shape(&r->cot[idx], m))
-            return pb_err_set(err, PB_ESHAPE_MISMATCH, what, "cotangent %s has shape %s but output %s has shape %s",
-                              op->outputs[idx], pb_shape_str(&r->cot[idx], s1, sizeof s1), op->outputs[idx],
-                              pb_shape_str(m, s2, sizeof s2));
-    }
-    return 0;
-}
-
 static void m_reverse(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
 {
     static const char *const keys[] = {"tape", "cotangents", "keep", "order", NULL};
     pb_server_t *s = r->srv;
-    int rc = check_keys(params, keys, &r->err);
+    int rc = pb_request_check_keys(params, keys, &r->err);
     if (rc == 0)
         rc = get_handle(params, &r->handle, &r->err);
     if (rc == 0)
-        rc = get_order(params, &r->order, &r->err);
+        rc = pb_request_order(params, &r->order, &r->err);
     const msgpack_object *keep = pb__obj_get(params, "keep");
     if (rc == 0 && keep) {
         if (keep->type != MSGPACK_OBJECT_BOOLEAN)
@@ -1024,7 +682,7 @@ static void m_reverse(pb_req_t *r, const msgpack_object *params, pb_storage_t *m
                    "of another connection, or never issued)", (unsigned long long)r->handle);
         return fail(r, PB_EUNKNOWN_TAPE);
     }
-    if ((rc = parse_cotangents(r, t, pb__obj_get(params, "cotangents"), msg)))
+    if ((rc = pb_request_cotangents(&t->data, pb__obj_get(params, "cotangents"), msg, r->cot, &r->err)))
         return fail(r, rc);
     /* The gradients are shaped like the inputs they are taken for (alpha
      * and beta: a scalar each, not worth counting). */
@@ -1047,7 +705,7 @@ static void m_reverse(pb_req_t *r, const msgpack_object *params, pb_storage_t *m
 static void release_common(pb_req_t *r, const msgpack_object *params)
 {
     static const char *const keys[] = {"tape", NULL};
-    int rc = check_keys(params, keys, &r->err);
+    int rc = pb_request_check_keys(params, keys, &r->err);
     const msgpack_object *h = pb__obj_get(params, "tape");
     if (rc == 0 && h == NULL)
         rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "missing tape");
@@ -1079,7 +737,7 @@ static void m_release(pb_req_t *r, const msgpack_object *params, pb_storage_t *m
 static void m_simple(pb_req_t *r, const msgpack_object *params, encode_fn enc)
 {
     static const char *const none[] = {NULL};
-    int rc = check_keys(params, none, &r->err);
+    int rc = pb_request_check_keys(params, none, &r->err);
     if (rc)
         return fail(r, rc);
     r->encode = enc;
@@ -1104,7 +762,7 @@ static bool admin(const pb_req_t *r)
 static void m_admin(pb_req_t *r, const msgpack_object *params, bool shutdown)
 {
     static const char *const none[] = {NULL};
-    int rc = check_keys(params, none, &r->err);
+    int rc = pb_request_check_keys(params, none, &r->err);
     if (rc)
         return fail(r, rc);
     if (!admin(r)) {

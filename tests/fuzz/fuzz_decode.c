@@ -1,21 +1,73 @@
-/* libFuzzer target over the message decoder: framing scan, unpacking,
- * the envelope, tensor decoding, and fused_dense's validation and (for
- * small inputs) its forward.  Build with clang:
+/* libFuzzer target over the message decoder and request validation: the
+ * framing scan, unpacking, the msgpack-RPC envelope, and for every method
+ * the same parsing the daemon does (daemon/request.c: params keys, op
+ * lookup, tensor decoding, options, wrt, device, each op's validate, the
+ * cotangents of reverse against held tapes).  Calls that validate and
+ * are cheap (under ~10⁵ flops) are also run, forward and reverse, so odd
+ * but valid inputs (zero sizes, rank 16, NaN, every option) reach the
+ * kernels too.  Build with clang:
  *   CC=clang meson setup build-fuzz -Dfuzz=true -Db_sanitize=address,undefined -Db_lundef=false
  *   ninja -C build-fuzz tests/fuzz/fuzz_decode
- *   build-fuzz/tests/fuzz/fuzz_decode -max_total_time=60 tests/fuzz/corpus */
+ *   build-fuzz/tests/fuzz/fuzz_decode -max_total_time=60 tests/fuzz/corpus
+ * The seed corpus (tests/fuzz/make_corpus.py) has a valid request for
+ * every method and op. */
 #include <stdint.h>
 #include <string.h>
 
 #include <msgpack.h>
 
+#include "daemon/request.h"
 #include "kernels/op.h"
 #include "proto/codec.h"
 #include "proto/wire.h"
 
 #define LIMIT (1u << 20)
+#define CHEAP 1e5
 
-static void serve(const uint8_t *p, size_t n)
+/* Tapes the reverse seeds can name: fused_dense f64 (y 3×2), and
+ * svd_compact c64 (U 4×3, S 3, Vh 3×3), kept for the whole run. */
+static pb_tapedata_t tapes[2];
+static bool have_tapes;
+
+static void make_tape(pb_tapedata_t *t, const char *op, pb_dtype_t d, int r0, int c0, int r1, int c1)
+{
+    pb_call_t c;
+    memset(&c, 0, sizeof c);
+    c.op = pb_op_find(op, strlen(op));
+    c.dtype = d;
+    c.order = 'C';
+    c.wrt = 1;
+    c.taped = true;
+    uint64_t s0[2] = {(uint64_t)r0, (uint64_t)c0}, s1[2] = {(uint64_t)r1, (uint64_t)c1};
+    pb_tensor_alloc(&c.in[0], d, 2, s0, 'C', true);
+    if (r1)
+        pb_tensor_alloc(&c.in[1], d, 2, s1, 'C', true);
+    pb_call_defaults(&c);
+    pb_err_t err;
+    if (c.op->validate(&c, &err) || pb_op_run_forward(&c, t, &err))
+        __builtin_trap();
+    pb_call_clear(&c);
+}
+
+static void run_call(pb_call_t *c, pb_call_kind_t kind)
+{
+    pb_err_t err;
+    if (kind == PB_CALL_CHECK || c->cost >= CHEAP)
+        return;
+    pb_tapedata_t tape;
+    if (pb_op_run_forward(c, kind == PB_CALL_AUGMENTED ? &tape : NULL, &err))
+        return;
+    if (kind == PB_CALL_AUGMENTED) { /* the outputs themselves as cotangents */
+        pb_tensor_t grad[PB_MAX_IO + 2] = {{0}};
+        pb_warnings_t w = {0};
+        pb_op_run_reverse(&tape, c->out, grad, 'C', &w, &err);
+        for (int i = 0; i < PB_MAX_IO + 2; i++)
+            pb_tensor_clear(&grad[i]);
+        pb_tapedata_clear(&tape);
+    }
+}
+
+static void serve(const uint8_t *p, size_t n, const pb_config_t *cfg)
 {
     pb_storage_t *msg = pb_storage_new(n, false);
     if (msg == NULL)
@@ -27,42 +79,52 @@ static void serve(const uint8_t *p, size_t n)
     size_t off = 0;
     if (msgpack_unpack(msg->ptr, n, &off, &zone, &root) != MSGPACK_UNPACK_SUCCESS)
         __builtin_trap(); /* the scan said this is one whole message */
-    const msgpack_object *params = NULL;
+    /* [0, msgid, method, [params]] or [2, method, [params]] */
+    const msgpack_object *method = NULL, *pa = NULL;
     if (root.type == MSGPACK_OBJECT_ARRAY && root.via.array.size == 4) {
-        const msgpack_object *pa = &root.via.array.ptr[3];
-        if (pa->type == MSGPACK_OBJECT_ARRAY && pa->via.array.size == 1)
-            params = &pa->via.array.ptr[0];
+        method = &root.via.array.ptr[2];
+        pa = &root.via.array.ptr[3];
+    } else if (root.type == MSGPACK_OBJECT_ARRAY && root.via.array.size == 3) {
+        method = &root.via.array.ptr[1];
+        pa = &root.via.array.ptr[2];
     }
-    const msgpack_object *in = pb__obj_get(params, "inputs");
-    if (in && in->type == MSGPACK_OBJECT_MAP) {
-        pb_call_t c;
-        memset(&c, 0, sizeof c);
-        c.op = pb_ops[0];
-        c.order = 'C';
-        bool ok = true;
-        for (uint32_t i = 0; i < in->via.map.size && ok; i++) {
-            const msgpack_object *k = &in->via.map.ptr[i].key;
-            int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_input_index(c.op, k->via.str.ptr, k->via.str.size) : -1;
-            pb_err_t err;
-            pb_tensor_t t;
-            if (pb_tensor_decode(&in->via.map.ptr[i].val, msg, "inputs.x", &t, &err) != 0)
-                continue;
-            if (idx < 0 || c.in[idx].storage || !(c.op->dtypes & PB_DTYPE_BIT(t.dtype))) {
-                pb_tensor_clear(&t);
-                continue;
-            }
-            c.in[idx] = t;
-            c.dtype = t.dtype;
-        }
-        for (int i = 0; i < c.op->ninputs; i++)
-            if (c.in[i].storage && c.in[i].dtype != c.dtype)
-                ok = false;
-        ok = ok && c.in[0].storage && c.in[1].storage;
-        pb_call_defaults(&c);
+    const msgpack_object *params = NULL;
+    if (pa && pa->type == MSGPACK_OBJECT_ARRAY && pa->via.array.size == 1 &&
+        pa->via.array.ptr[0].type == MSGPACK_OBJECT_MAP)
+        params = &pa->via.array.ptr[0];
+    if (params && method->type == MSGPACK_OBJECT_STR) {
         pb_err_t err;
-        if (ok && c.op->validate(&c, &err) == 0 && c.cost < 1e6)
-            pb_op_run_forward(&c, NULL, &err);
-        pb_call_clear(&c);
+        if (pb__obj_is_str(method, "forward") || pb__obj_is_str(method, "augmented_forward") ||
+            pb__obj_is_str(method, "check")) {
+            pb_call_kind_t kind = pb__obj_is_str(method, "forward")   ? PB_CALL_FORWARD
+                                  : pb__obj_is_str(method, "check") ? PB_CALL_CHECK
+                                                                    : PB_CALL_AUGMENTED;
+            pb_call_t c;
+            memset(&c, 0, sizeof c);
+            pb_call_extra_t x = {0};
+            if (pb_request_call(cfg, params, msg, kind, &c, &x, &err) == 0)
+                run_call(&c, kind);
+            pb_call_clear(&c);
+        } else if (pb__obj_is_str(method, "reverse")) {
+            static const char *const keys[] = {"tape", "cotangents", "keep", "order", NULL};
+            char order;
+            if (pb_request_check_keys(params, keys, &err) == 0 && pb_request_order(params, &order, &err) == 0) {
+                const msgpack_object *cots = pb__obj_get(params, "cotangents");
+                for (int t = 0; t < 2; t++) {
+                    pb_tensor_t cot[PB_MAX_IO] = {{0}}, grad[PB_MAX_IO + 2] = {{0}};
+                    pb_warnings_t w = {0};
+                    if (pb_request_cotangents(&tapes[t], cots, msg, cot, &err) == 0)
+                        pb_op_run_reverse(&tapes[t], cot, grad, order, &w, &err);
+                    for (int i = 0; i < PB_MAX_IO; i++)
+                        pb_tensor_clear(&cot[i]);
+                    for (int i = 0; i < PB_MAX_IO + 2; i++)
+                        pb_tensor_clear(&grad[i]);
+                }
+            }
+        } else {
+            static const char *const none[] = {NULL};
+            pb_request_check_keys(params, none, &err);
+        }
     }
     msgpack_zone_destroy(&zone);
     pb_storage_unref(msg);
@@ -72,6 +134,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
+    static pb_config_t cfg;
+    if (!have_tapes) {
+        cfg.max_message_bytes = LIMIT;
+        cfg.device = (pb_device_t){PB_DEV_CPU, 0};
+        make_tape(&tapes[0], "fused_dense", PB_F64, 3, 4, 4, 2);
+        make_tape(&tapes[1], "svd_compact", PB_C64, 4, 3, 0, 0);
+        have_tapes = true;
+    }
     size_t off = 0;
     while (off < size) {
         pb_scan_t s;
@@ -79,7 +149,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         size_t n;
         if (pb_scan_feed(&s, data + off, size - off, LIMIT, &n) != 1)
             break;
-        serve(data + off, n);
+        serve(data + off, n, &cfg);
         off += n;
     }
     return 0;

@@ -1,0 +1,348 @@
+#include "request.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#define DEFAULT_TTL_MS 600000u
+#define MAX_TTL_S 31536000.0
+
+/* Every key of params must be one of allowed. */
+int pb_request_check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err)
+{
+    for (uint32_t i = 0; i < params->via.map.size; i++) {
+        const msgpack_object *k = &params->via.map.ptr[i].key;
+        if (k->type != MSGPACK_OBJECT_STR)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "params keys must be strings");
+        bool ok = false;
+        for (const char *const *a = allowed; *a && !ok; a++)
+            ok = pb__obj_is_str(k, *a);
+        if (!ok) {
+            char list[200] = "none";
+            size_t o = 0;
+            for (const char *const *a = allowed; *a && o < sizeof list; a++)
+                o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", a == allowed ? "" : ", ", *a);
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "unknown key '%.*s' in params (expected: %s)",
+                              (int)(k->via.str.size > 40 ? 40 : k->via.str.size), k->via.str.ptr, list);
+        }
+    }
+    return 0;
+}
+
+int pb_request_order(const msgpack_object *params, char *order, pb_err_t *err)
+{
+    const msgpack_object *o = pb__obj_get(params, "order");
+    *order = 'C';
+    if (o == NULL)
+        return 0;
+    if (pb__obj_is_str(o, "F"))
+        *order = 'F';
+    else if (!pb__obj_is_str(o, "C"))
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "order", "order must be \"C\" or \"F\"");
+    return 0;
+}
+
+/* what = prefix + name, cut to len: the success path must not pay for
+ * vsnprintf just to have the argument name ready for an error. */
+static void join(char *what, size_t len, const char *prefix, const char *name)
+{
+    size_t a = strlen(prefix), b = strlen(name);
+    if (a >= len)
+        a = len - 1;
+    if (b >= len - a)
+        b = len - a - 1;
+    memcpy(what, prefix, a);
+    memcpy(what + a, name, b);
+    what[a + b] = 0;
+}
+
+/* A list of axis numbers; their meaning (a permutation, distinct, < rank)
+ * is the op's to check against the shapes.  0, or -1 when malformed. */
+static int parse_axes(const msgpack_object *v, int *n, signed char *ax)
+{
+    if (v->type != MSGPACK_OBJECT_ARRAY || v->via.array.size > PB_MAX_RANK)
+        return -1;
+    for (uint32_t i = 0; i < v->via.array.size; i++) {
+        const msgpack_object *e = &v->via.array.ptr[i];
+        if (e->type != MSGPACK_OBJECT_POSITIVE_INTEGER || e->via.u64 >= PB_MAX_RANK)
+            return -1;
+        ax[i] = (signed char)e->via.u64;
+    }
+    *n = (int)v->via.array.size;
+    return 0;
+}
+
+static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err)
+{
+    const pb_op_t *op = c->op;
+    if (opts == NULL)
+        return 0;
+    if (opts->type != MSGPACK_OBJECT_MAP)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "options", "options must be a map");
+    for (uint32_t i = 0; i < opts->via.map.size; i++) {
+        const msgpack_object *k = &opts->via.map.ptr[i].key, *v = &opts->via.map.ptr[i].val;
+        int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_option_index(op, k->via.str.ptr, k->via.str.size) : -1;
+        if (idx < 0)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "options", "%s has no option '%.*s'", op->name,
+                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
+                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
+        const pb_opt_spec_t *sp = &op->options[idx];
+        pb_optval_t *ov = &c->opt[idx];
+        char arg[64];
+        join(arg, sizeof arg, "options.", sp->name);
+        if (ov->given)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "option %s given twice", sp->name);
+        ov->given = true;
+        switch (sp->type) {
+        case PB_OPT_STR: {
+            bool found = false;
+            if (v->type == MSGPACK_OBJECT_STR && sp->values) {
+                for (int j = 0; sp->values[j] && !found; j++)
+                    if (pb__obj_is_str(v, sp->values[j])) {
+                        ov->index = j;
+                        found = true;
+                    }
+            }
+            if (!found) {
+                char list[256] = "";
+                size_t o = 0;
+                for (int j = 0; sp->values && sp->values[j] && o < sizeof list; j++)
+                    o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", j ? ", " : "", sp->values[j]);
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be one of: %s", sp->name, list);
+            }
+            break;
+        }
+        case PB_OPT_BOOL:
+            if (v->type != MSGPACK_OBJECT_BOOLEAN)
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be true or false", sp->name);
+            ov->b = v->via.boolean;
+            break;
+        case PB_OPT_INT:
+            if (v->type == MSGPACK_OBJECT_POSITIVE_INTEGER && v->via.u64 <= INT64_MAX)
+                ov->i = (long long)v->via.u64;
+            else if (v->type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
+                ov->i = v->via.i64;
+            else
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be an integer", sp->name);
+            break;
+        case PB_OPT_FLOAT:
+            if (!pb__obj_number(v, &ov->re))
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a number", sp->name);
+            break;
+        case PB_OPT_SCALAR:
+            ov->im = 0;
+            if (pb__obj_number(v, &ov->re))
+                break;
+            if (v->type == MSGPACK_OBJECT_ARRAY && v->via.array.size == 2 &&
+                pb__obj_number(&v->via.array.ptr[0], &ov->re) && pb__obj_number(&v->via.array.ptr[1], &ov->im)) {
+                ov->cplx = true;
+                break;
+            }
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a number or [re, im]", sp->name);
+        case PB_OPT_AXES:
+            if (parse_axes(v, &ov->nax[0], ov->ax[0]))
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg,
+                                  "%s must be a list of at most 16 axis numbers 0..15", sp->name);
+            break;
+        case PB_OPT_AXES2:
+            if (v->type != MSGPACK_OBJECT_ARRAY || v->via.array.size != 2 ||
+                parse_axes(&v->via.array.ptr[0], &ov->nax[0], ov->ax[0]) ||
+                parse_axes(&v->via.array.ptr[1], &ov->nax[1], ov->ax[1]))
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg,
+                                  "%s must be two lists of axis numbers 0..15, as [[0, 2], [1]]", sp->name);
+            break;
+        case PB_OPT_TEXT:
+            if (v->type != MSGPACK_OBJECT_STR || v->via.str.size > PB_OPT_TEXT_MAX)
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a string of at most %d bytes",
+                                  sp->name, PB_OPT_TEXT_MAX);
+            memcpy(ov->text, v->via.str.ptr, v->via.str.size);
+            ov->text[v->via.str.size] = 0;
+            break;
+        }
+    }
+    return 0;
+}
+
+static int parse_wrt(pb_call_t *c, const msgpack_object *w, pb_err_t *err)
+{
+    const pb_op_t *op = c->op;
+    if (w == NULL)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "missing wrt (the inputs whose gradients reverse will want)");
+    if (w->type != MSGPACK_OBJECT_ARRAY)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt must be an array of input names");
+    for (uint32_t i = 0; i < w->via.array.size; i++) {
+        const msgpack_object *n = &w->via.array.ptr[i];
+        int k = n->type == MSGPACK_OBJECT_STR ? pb_op_wrt_index(op, n->via.str.ptr, n->via.str.size) : -1;
+        if (k < 0)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt[%u] is not a differentiable input of %s", i,
+                              op->name);
+        if (c->wrt & (1u << k))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt names %s twice", op->wrt_names[k]);
+        if (k < op->ninputs && c->in[k].storage == NULL)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt names %s, which was not given in inputs",
+                              op->wrt_names[k]);
+        c->wrt |= 1u << k;
+    }
+    return 0;
+}
+
+int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_storage_t *msg, pb_call_kind_t kind,
+                    pb_call_t *c, pb_call_extra_t *x, pb_err_t *err)
+{
+    static const char *const k_fwd[] = {"op", "inputs", "options", "device", "order", NULL};
+    static const char *const k_aug[] = {"op", "inputs", "options", "device", "order", "wrt", "scope", "ttl_s", NULL};
+    static const char *const k_chk[] = {"op", "inputs", "options", "device", "wrt", "seed", NULL};
+    int rc = pb_request_check_keys(params, kind == PB_CALL_FORWARD ? k_fwd : kind == PB_CALL_AUGMENTED ? k_aug : k_chk, err);
+    if (rc)
+        return rc;
+    const msgpack_object *opn = pb__obj_get(params, "op");
+    if (opn == NULL || opn->type != MSGPACK_OBJECT_STR)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "op", "op must be the name of an op (see the ops method)");
+    c->op = pb_op_find(opn->via.str.ptr, opn->via.str.size);
+    if (c->op == NULL)
+        return pb_err_set(err, PB_EUNKNOWN_OP, "op", "unknown op '%.*s' (see the ops method)",
+                          (int)(opn->via.str.size > 40 ? 40 : opn->via.str.size), opn->via.str.ptr);
+    const pb_op_t *op = c->op;
+
+    const msgpack_object *in = pb__obj_get(params, "inputs");
+    if (in == NULL || in->type != MSGPACK_OBJECT_MAP)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "inputs must be a map from input names to tensors");
+    for (uint32_t i = 0; i < in->via.map.size; i++) {
+        const msgpack_object *k = &in->via.map.ptr[i].key;
+        int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_input_index(op, k->via.str.ptr, k->via.str.size) : -1;
+        if (idx < 0)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "%s has no input '%.*s'", op->name,
+                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
+                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
+        char what[64];
+        join(what, sizeof what, "inputs.", op->inputs[idx].name);
+        if (c->in[idx].storage)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "input %s given twice", op->inputs[idx].name);
+        if ((rc = pb_tensor_decode(&in->via.map.ptr[i].val, msg, what, &c->in[idx], err)))
+            return rc;
+    }
+    int first = -1;
+    for (int i = 0; i < op->ninputs; i++) {
+        char what[64];
+        join(what, sizeof what, "inputs.", op->inputs[i].name);
+        if (c->in[i].storage == NULL) {
+            if (op->inputs[i].required)
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "missing required input %s of %s",
+                                  op->inputs[i].name, op->name);
+            continue;
+        }
+        if (!(op->dtypes & PB_DTYPE_BIT(c->in[i].dtype)))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s does not take dtype %s (input %s)", op->name,
+                              pb_dtype_name(c->in[i].dtype), op->inputs[i].name);
+        if (first < 0)
+            first = i;
+        else if (c->in[i].dtype != c->in[first].dtype)
+            return pb_err_set(err, PB_EDTYPE_MISMATCH, what, "input %s is %s but %s is %s", op->inputs[i].name,
+                              pb_dtype_name(c->in[i].dtype), op->inputs[first].name,
+                              pb_dtype_name(c->in[first].dtype));
+    }
+    c->dtype = c->in[first].dtype;
+
+    if ((rc = parse_options(c, pb__obj_get(params, "options"), err)))
+        return rc;
+    pb_call_defaults(c);
+    for (int i = 0; i < op->noptions; i++) {
+        char arg[64];
+        join(arg, sizeof arg, "options.", op->options[i].name);
+        if (op->options[i].type == PB_OPT_SCALAR && c->opt[i].im != 0 && !pb_dtype_is_complex(c->dtype))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, arg,
+                              "%s has a nonzero imaginary part but the inputs are real (%s)", op->options[i].name,
+                              pb_dtype_name(c->dtype));
+    }
+
+    c->device = cfg->device;
+    const msgpack_object *dev = pb__obj_get(params, "device");
+    if (dev) {
+        if (dev->type != MSGPACK_OBJECT_STR || pb_device_parse(dev->via.str.ptr, dev->via.str.size, &c->device))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "device", "device must be \"cpu\", \"cuda\" or \"cuda:N\"");
+    }
+    if (c->device.kind != PB_DEV_CPU)
+        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device",
+                          "device cuda:%d is not available: this daemon has no CUDA devices", c->device.index);
+    if (!(op->devices & (1u << c->device.kind)))
+        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device", "%s has no implementation on this device",
+                          op->name);
+
+    if ((rc = pb_request_order(params, &c->order, err)))
+        return rc;
+    if (kind != PB_CALL_FORWARD && (rc = parse_wrt(c, pb__obj_get(params, "wrt"), err)))
+        return rc;
+    c->taped = kind != PB_CALL_FORWARD;
+    if ((rc = op->validate(c, err)))
+        return rc;
+    size_t total = 0;
+    for (int i = 0; i < op->noutputs; i++) {
+        size_t b;
+        pb_shape_count(c->out_meta[i].rank, c->out_meta[i].shape, pb_dtype_size(c->out_meta[i].dtype), NULL, &b);
+        total += b;
+    }
+    if (total > cfg->max_message_bytes)
+        return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_message_bytes",
+                          "the outputs would take %zu bytes, more than max_message_bytes %zu", total,
+                          cfg->max_message_bytes);
+    x->reply_bytes = total;
+
+    if (kind == PB_CALL_AUGMENTED) {
+        const msgpack_object *sc = pb__obj_get(params, "scope"), *ttl = pb__obj_get(params, "ttl_s");
+        if (sc && pb__obj_is_str(sc, "peer"))
+            x->peer_scope = true;
+        else if (sc && !pb__obj_is_str(sc, "connection"))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "scope", "scope must be \"connection\" or \"peer\"");
+        x->ttl_ms = DEFAULT_TTL_MS;
+        if (ttl) {
+            double v;
+            if (!pb__obj_number(ttl, &v) || !(v > 0) || v > MAX_TTL_S)
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, "ttl_s",
+                                  "ttl_s must be a number of seconds > 0 and at most %.0f", MAX_TTL_S);
+            x->ttl_ms = (uint64_t)(v * 1000.0 + 0.5);
+            if (x->ttl_ms == 0)
+                x->ttl_ms = 1;
+        }
+    }
+    if (kind == PB_CALL_CHECK) {
+        const msgpack_object *sd = pb__obj_get(params, "seed");
+        if (sd && !pb__obj_uint(sd, &x->seed))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "seed", "seed must be a non-negative integer");
+    }
+    return 0;
+}
+
+int pb_request_cotangents(const pb_tapedata_t *t, const msgpack_object *cots, pb_storage_t *msg, pb_tensor_t *cot,
+                          pb_err_t *err)
+{
+    const pb_op_t *op = t->op;
+    if (cots == NULL)
+        return 0;
+    if (cots->type != MSGPACK_OBJECT_MAP)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "cotangents", "cotangents must be a map from output names to tensors");
+    for (uint32_t i = 0; i < cots->via.map.size; i++) {
+        const msgpack_object *k = &cots->via.map.ptr[i].key;
+        int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_output_index(op, k->via.str.ptr, k->via.str.size) : -1;
+        if (idx < 0)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "cotangents", "%s has no output '%.*s'", op->name,
+                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
+                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
+        char what[64];
+        join(what, sizeof what, "cotangents.", op->outputs[idx]);
+        if (cot[idx].storage)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "cotangent %s given twice", op->outputs[idx]);
+        int rc = pb_tensor_decode(&cots->via.map.ptr[i].val, msg, what, &cot[idx], err);
+        if (rc)
+            return rc;
+        const pb_tensor_t *m = &t->out_meta[idx];
+        char s1[96], s2[96];
+        if (cot[idx].dtype != m->dtype)
+            return pb_err_set(err, PB_EDTYPE_MISMATCH, what, "cotangent %s is %s but output %s is %s",
+                              op->outputs[idx], pb_dtype_name(cot[idx].dtype), op->outputs[idx],
+                              pb_dtype_name(m->dtype));
+        if (!pb_tensor_same_shape(&cot[idx], m))
+            return pb_err_set(err, PB_ESHAPE_MISMATCH, what, "cotangent %s has shape %s but output %s has shape %s",
+                              op->outputs[idx], pb_shape_str(&cot[idx], s1, sizeof s1), op->outputs[idx],
+                              pb_shape_str(m, s2, sizeof s2));
+    }
+    return 0;
+}
