@@ -206,6 +206,26 @@ static void fd_all(void **state)
             }
 }
 
+/* Matrices larger than the QR pullback's column block (96), tall, square
+ * and wide, so that its blocked triangular products are measured too. */
+static void qr_blocks(void **state)
+{
+    (void)state;
+    static const int shapes[3][2] = {{230, 200}, {200, 200}, {200, 230}};
+    static const char *const ops[] = {"qr_compact", "qr_full", "lq_compact"};
+    for (int s = 0; s < 3; s++)
+        for (size_t o = 0; o < sizeof ops / sizeof ops[0]; o++) {
+            pb_dtype_t d = s == 1 ? PB_C128 : PB_F64;
+            pb_call_t c;
+            call_init(&c, ops[o], d, 'F');
+            make_A(&c.in[0], d, shapes[s][0], shapes[s][1], 'F', RANDOM);
+            char what[96];
+            snprintf(what, sizeof what, "%s %s %dx%d", ops[o], pb_dtype_name(d), shapes[s][0], shapes[s][1]);
+            fd_check(&c, what);
+            pb_call_clear(&c);
+        }
+}
+
 /* ---- forward properties ---- */
 
 /* max |X·Y − Z| over entries, X (a×b), Y (b×c) tensors; Y may be a vector
@@ -899,7 +919,7 @@ int main(void)
         cmocka_unit_test(forward_props),   cmocka_unit_test(fd_all),          cmocka_unit_test(rank_deficient),
         cmocka_unit_test(degenerate_eigh), cmocka_unit_test(degenerate_svd),  cmocka_unit_test(truncations),
         cmocka_unit_test(trunc_not_naive), cmocka_unit_test(errors),          cmocka_unit_test(zero_size),
-        cmocka_unit_test(tape_sizes),
+        cmocka_unit_test(tape_sizes),      cmocka_unit_test(qr_blocks),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
