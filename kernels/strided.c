@@ -4,7 +4,74 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The tile sides of a transposing pass: PB__TB0 elements along index 0
+ * (dst's fastest) and PB__TB1_BYTES along index t (src's fastest), so a
+ * tile is 16 KiB of any dtype (64 × 32 of f64) and its buffer
+ * (strided_t.h) stays in L1 with room for the lines being read and
+ * written.  A pass that does not transpose takes rows of about
+ * ROW_BYTES per tile. */
+#define PB__TB0 64
+#define PB__TB1_BYTES 256
+#define ROW_BYTES 8192
+
+/* How a pass walks its loop.  The tile plane is index 0 (fastest in dst)
+ * and a second index: t, the fastest in src, when the pass transposes;
+ * else the index that walks memory closest in either operand.  Tiles
+ * are at most b0 × b1 elements of that plane.  Every other index and the
+ * tile counts along the two are the outer loops, innermost first. */
+typedef struct walk {
+    int n;                         /* outer loops */
+    int64_t dim[PB_MAX_RANK];      /* their sizes */
+    int64_t s[3][PB_MAX_RANK];     /* one step of each, per operand */
+    int blk[PB_MAX_RANK];          /* 1: the tiles along index 0, 2: those along the second, 0: an index */
+    int64_t n0, n1, b0, b1;        /* the plane and the tile sides */
+    int64_t st[6];                 /* tile strides: dst 0, 1; src 0, 1; src2 0, 1 */
+    bool tr;                       /* the tile transposes */
+    bool unit;                     /* unit strides along the rows the tile reads and writes */
+    bool pf;                       /* prefetch the next tile while at one */
+} walk_t;
+
+/* A position in the walk: the outer indices, the offsets they make and
+ * the size of the tile there. */
+typedef struct walk_cur {
+    int64_t idx[PB_MAX_RANK];
+    int64_t off[3];
+    int64_t m0, m1;
+} walk_cur_t;
+
+static void walk_start(const walk_t *W, walk_cur_t *c)
+{
+    memset(c, 0, sizeof *c);
+    c->m0 = W->b0;
+    c->m1 = W->b1;
+}
+
+/* Step to the next tile; false after the last. */
+static bool walk_next(const walk_t *W, walk_cur_t *c)
+{
+    for (int k = 0; k < W->n; k++) {
+        bool wrap = ++c->idx[k] == W->dim[k];
+        int64_t step = wrap ? -(W->dim[k] - 1) : 1;
+        for (int o = 0; o < 3; o++)
+            c->off[o] += step * W->s[o][k];
+        if (wrap)
+            c->idx[k] = 0;
+        if (W->blk[k] == 1) {
+            int64_t rest = W->n0 - c->idx[k] * W->b0;
+            c->m0 = rest < W->b0 ? rest : W->b0;
+        } else if (W->blk[k] == 2) {
+            int64_t rest = W->n1 - c->idx[k] * W->b1;
+            c->m1 = rest < W->b1 ? rest : W->b1;
+        }
+        if (!wrap)
+            return true;
+    }
+    return false;
+}
+
 #define T float
+#define WORD uint32_t
+#define LANES 4
 #define ACC double
 #define SFX _s
 #define CPLX 0
@@ -13,7 +80,11 @@
 #undef ACC
 #undef SFX
 #undef CPLX
+#undef WORD
+#undef LANES
 #define T double
+#define WORD uint64_t
+#define LANES 2
 #define ACC double
 #define SFX _d
 #define CPLX 0
@@ -22,7 +93,11 @@
 #undef ACC
 #undef SFX
 #undef CPLX
+#undef WORD
+#undef LANES
 #define T float complex
+#define WORD uint64_t
+#define LANES 2
 #define ACC double complex
 #define SFX _c
 #define SFXC f
@@ -33,7 +108,11 @@
 #undef SFX
 #undef SFXC
 #undef CPLX
+#undef WORD
+#undef LANES
 #define T double complex
+#define WORD uint64_t
+#define LANES 1
 #define ACC double complex
 #define SFX _z
 #define SFXC
@@ -44,6 +123,8 @@
 #undef SFX
 #undef SFXC
 #undef CPLX
+#undef WORD
+#undef LANES
 
 void pb_dense_strides(int rank, const uint64_t *shape, char order, int64_t *stride)
 {
@@ -122,6 +203,70 @@ static bool normalise(const pb_loop_t *in, pb_loop_t *L, int nops, int *t)
     return true;
 }
 
+/* How close an index walks memory: its smaller stride in dst and src. */
+static int64_t nearness(int64_t sd, int64_t ss)
+{
+    sd = mag(sd);
+    ss = mag(ss);
+    return sd < ss ? sd : ss;
+}
+
+/* The walk of a normalised loop (t from normalise; nops operands).
+ *
+ * The outer loops go innermost first by nearness, as HPTT orders its
+ * loops: consecutive tiles then continue the rows of one operand or the
+ * other, rather than jumping in both. */
+static void walk_plan(const pb_loop_t *L, int t, int nops, size_t item, walk_t *W)
+{
+    memset(W, 0, sizeof *W);
+    W->tr = t != 0;
+    if (!W->tr)
+        for (int k = 1; k < L->rank; k++)
+            if (t == 0 || nearness(L->s[0][k], L->s[1][k]) < nearness(L->s[0][t], L->s[1][t]))
+                t = k;
+    W->n0 = (int64_t)L->dim[0];
+    W->n1 = t ? (int64_t)L->dim[t] : 1;
+    for (int o = 0; o < 3; o++) {
+        W->st[2 * o] = L->s[o][0];
+        W->st[2 * o + 1] = t ? L->s[o][t] : 0;
+    }
+    if (W->tr) {
+        W->b0 = PB__TB0;
+        W->b1 = PB__TB1_BYTES / (int64_t)item;
+        W->unit = W->st[0] == 1 && W->st[3] == 1;
+    } else {
+        W->b0 = W->n0;
+        W->b1 = ROW_BYTES / (W->n0 * (int64_t)item);
+        W->unit = W->st[0] == 1 && W->st[2] == 1 && (nops < 3 || W->st[4] == 1);
+    }
+    /* Rows longer than a tile are streamed well by the hardware. */
+    W->pf = W->tr || W->n0 * (int64_t)item <= ROW_BYTES;
+    W->b0 = W->b0 < W->n0 ? W->b0 : W->n0;
+    W->b1 = W->b1 < 1 ? 1 : W->b1 < W->n1 ? W->b1 : W->n1;
+    int n = 0;
+    for (int k = 0; k < L->rank; k++) {
+        int64_t b = k == 0 ? W->b0 : k == t ? W->b1 : 1, nn = (int64_t)L->dim[k];
+        if (k == 0 || k == t) {
+            if (nn <= b)
+                continue;
+            nn = (nn + b - 1) / b;
+        }
+        int j = n++; /* insertion by nearness, stable */
+        int64_t key = nearness(b * L->s[0][k], b * L->s[1][k]);
+        for (; j > 0 && key < nearness(W->s[0][j - 1], W->s[1][j - 1]); j--) {
+            W->dim[j] = W->dim[j - 1];
+            W->blk[j] = W->blk[j - 1];
+            for (int o = 0; o < 3; o++)
+                W->s[o][j] = W->s[o][j - 1];
+        }
+        W->dim[j] = nn;
+        W->blk[j] = k == 0 ? 1 : k == t ? 2 : 0;
+        for (int o = 0; o < 3; o++)
+            W->s[o][j] = b * L->s[o][k];
+    }
+    W->n = n;
+}
+
 void pb_strided(pb_dtype_t d, const pb_loop_t *in, void *dst, const void *src, bool conj, pb_scalar_t alpha,
                 const void *src2, pb_scalar_t beta, bool accumulate)
 {
@@ -146,19 +291,21 @@ void pb_strided(pb_dtype_t d, const pb_loop_t *in, void *dst, const void *src, b
     if (!normalise(in, &L, src2 ? 3 : 2, &t))
         return;
     int one = alpha.re == 1 && alpha.im == 0, acc = accumulate;
+    walk_t W;
+    walk_plan(&L, t, src2 ? 3 : 2, pb_dtype_size(d), &W);
     switch (d) {
     case PB_F32:
-        run_s(&L, t, dst, src, src2, (float)alpha.re, (float)beta.re, 0, one, acc);
+        run_s(&W, dst, src, src2, (float)alpha.re, (float)beta.re, 0, one, acc);
         break;
     case PB_F64:
-        run_d(&L, t, dst, src, src2, alpha.re, beta.re, 0, one, acc);
+        run_d(&W, dst, src, src2, alpha.re, beta.re, 0, one, acc);
         break;
     case PB_C64:
-        run_c(&L, t, dst, src, src2, CMPLXF((float)alpha.re, (float)alpha.im), CMPLXF((float)beta.re, (float)beta.im),
+        run_c(&W, dst, src, src2, CMPLXF((float)alpha.re, (float)alpha.im), CMPLXF((float)beta.re, (float)beta.im),
               conj, one, acc);
         break;
     case PB_C128:
-        run_z(&L, t, dst, src, src2, CMPLX(alpha.re, alpha.im), CMPLX(beta.re, beta.im), conj, one, acc);
+        run_z(&W, dst, src, src2, CMPLX(alpha.re, alpha.im), CMPLX(beta.re, beta.im), conj, one, acc);
         break;
     default:
         break;

@@ -12,10 +12,15 @@
  *
  * One body serves all four dtypes (strided_t.h).  Loops are normalised
  * first (size-1 indices dropped, indices sorted by destination stride,
- * indices that are contiguous in every operand merged), then the two
- * indices that are fastest in the destination and in the source are
- * walked in cache-sized tiles, so a transposing permutation reads and
- * writes whole cache lines.  Nothing is allocated. */
+ * indices that are contiguous in every operand merged).  Then the index
+ * fastest in the destination and the one fastest in the source make the
+ * plane of 16 KiB tiles, which a transposing pass moves through a buffer
+ * in L1 so that it reads and writes whole rows.  The other indices are
+ * walked around the tiles innermost first by their smaller stride in
+ * either operand (as HPTT orders its loops), so consecutive tiles
+ * continue the rows of one operand; and each tile prefetches the rows of
+ * the next, whose misses the hardware prefetchers would not foresee.
+ * Nothing is allocated. */
 #ifndef PB_STRIDED_H
 #define PB_STRIDED_H
 

@@ -1040,8 +1040,9 @@ static void rank16(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(strided_kernel),   cmocka_unit_test(strided_paths),    cmocka_unit_test(contract_to_case), cmocka_unit_test(contract_matrix),
-        cmocka_unit_test(contract_random),  cmocka_unit_test(contract_spec),    cmocka_unit_test(contract_tape),
+        cmocka_unit_test(strided_kernel),   cmocka_unit_test(strided_paths),    cmocka_unit_test(contract_to_case),
+        cmocka_unit_test(contract_matrix),  cmocka_unit_test(contract_random),  cmocka_unit_test(contract_spec),
+        cmocka_unit_test(contract_tape),
         cmocka_unit_test(contract_errors),  cmocka_unit_test(contract_wrt_conj_scalars),
         cmocka_unit_test(add_all),          cmocka_unit_test(trace_all),        cmocka_unit_test(rank16),
     };
