@@ -9,7 +9,18 @@
  *                    of the same bytes (1.0 = memcpy speed)
  * Targets: ≤ 1.05 for "abcd,cdef->abef" (no permutation), ≤ 1.30 for
  * "abcd,dcfe->fbea", permutation ≥ 0.5.  Each figure is the median of
- * several repetitions; --quick uses dimension 16 and one repetition. */
+ * several repetitions; --quick uses dimension 16 and one repetition.
+ *
+ * Each repetition times the baseline right before what it is compared
+ * with, so that both see the same load on a shared machine.  The bare
+ * GEMMs write into tensors allocated in that repetition as the op's
+ * outputs and gradients are (pb_tensor_alloc): the op must allocate what
+ * it returns, and glibc hands out fresh pages for each aligned block of
+ * this size rather than the ones just freed, so its first touch costs a
+ * page fault per 4 KiB (about 11 ms per 20 MiB here), which a GEMM into a
+ * buffer reused from the last repetition does not pay.  Timing the
+ * allocation in the op alone would charge the contraction with the
+ * allocator's cost. */
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -53,16 +64,23 @@ static void bench_contract(pb_dtype_t d, const char *spec, uint64_t n, int reps)
     }
     int ni = (int)(n * n), nk = (int)(n * n), nj = (int)(n * n);
     size_t item = pb_dtype_size(d);
-    void *a = calloc((size_t)ni * nk, item), *b = calloc((size_t)nk * nj, item), *m = calloc((size_t)ni * nj, item);
+    void *a = calloc((size_t)ni * nk, item), *b = calloc((size_t)nk * nj, item);
     void *g = calloc((size_t)ni * nj, item);
     memcpy(a, pb_tensor_data(&c.in[0]), (size_t)ni * nk * item);
     memcpy(b, pb_tensor_data(&c.in[1]), (size_t)nk * nj * item);
+    /* the shapes of the products, for their fresh tensors */
+    const uint64_t sm[2] = {(uint64_t)nj, (uint64_t)ni}, sa2[2] = {(uint64_t)nk, (uint64_t)ni},
+                   sb2[2] = {(uint64_t)nj, (uint64_t)nk};
     double tf[16], tg[16], tr[16], t2[16];
     pb_scalar_t one = {1, 0}, zero = {0, 0};
     for (int r = 0; r < reps; r++) {
+        pb_tensor_t tm, ta, tb;
         double t0 = now();
-        pb_gemm_cm(d, 'N', 'N', ni, nj, nk, one, a, ni, b, nk, zero, m, ni);
+        if (pb_tensor_alloc(&tm, d, 2, sm, 'C', false))
+            abort();
+        pb_gemm_cm(d, 'N', 'N', ni, nj, nk, one, a, ni, b, nk, zero, pb_tensor_data(&tm), ni);
         tg[r] = now() - t0;
+        pb_tensor_clear(&tm);
         t0 = now();
         if (pb_op_run_forward(&c, NULL, &err))
             exit(1);
@@ -71,9 +89,13 @@ static void bench_contract(pb_dtype_t d, const char *spec, uint64_t n, int reps)
         /* the two reverse GEMMs on dense matrices: Ā = G·B̂ᴴ, B̄ = Âᴴ·G */
         char ct = pb_dtype_is_complex(d) ? 'C' : 'T';
         t0 = now();
-        pb_gemm_cm(d, 'N', ct, ni, nk, nj, one, g, ni, b, nk, zero, a, ni);
-        pb_gemm_cm(d, ct, 'N', nk, nj, ni, one, a, ni, g, ni, zero, b, nk);
+        if (pb_tensor_alloc(&ta, d, 2, sa2, 'C', false) || pb_tensor_alloc(&tb, d, 2, sb2, 'C', false))
+            abort();
+        pb_gemm_cm(d, 'N', ct, ni, nk, nj, one, g, ni, b, nk, zero, pb_tensor_data(&ta), ni);
+        pb_gemm_cm(d, ct, 'N', nk, nj, ni, one, a, ni, g, ni, zero, pb_tensor_data(&tb), nk);
         t2[r] = now() - t0;
+        pb_tensor_clear(&ta);
+        pb_tensor_clear(&tb);
         c.taped = true;
         c.wrt = 3;
         pb_tapedata_t tape;
@@ -100,7 +122,6 @@ static void bench_contract(pb_dtype_t d, const char *spec, uint64_t n, int reps)
            pb_dtype_name(d), spec, (unsigned long long)n, mf * 1e3, mg * 1e3, mf / mg, mr * 1e3, m2 * 1e3, mr / m2);
     free(a);
     free(b);
-    free(m);
     free(g);
     pb_call_clear(&c);
 }
@@ -114,13 +135,6 @@ static void bench_permute(pb_dtype_t d, uint64_t mib, int reps)
     void *src = malloc(bytes), *dst = malloc(bytes);
     memset(src, 1, bytes);
     memset(dst, 0, bytes);
-    double tm[16];
-    for (int r = 0; r < reps; r++) {
-        double t0 = now();
-        memcpy(dst, src, bytes);
-        tm[r] = now() - t0;
-    }
-    double mm = median(tm, reps);
     static const int perms[][4] = {{3, 2, 1, 0}, {1, 0, 3, 2}, {0, 2, 1, 3}, {2, 3, 0, 1}, {0, 1, 3, 2}};
     for (size_t p = 0; p < sizeof perms / sizeof perms[0]; p++) {
         uint64_t shy[4];
@@ -135,13 +149,22 @@ static void bench_permute(pb_dtype_t d, uint64_t mib, int reps)
             L.s[0][k] = sy[k];
             L.s[1][k] = ss[perms[p][k]];
         }
-        double tp[16];
+        /* Each timed pass follows an untimed one of its own kind: a pass
+         * leaves dirty lines in the caches that the next one writes back,
+         * and memcpy (non-temporal at this size) leaves fewer than the
+         * permutation. */
+        double tm[16], tp[16];
         for (int r = 0; r < reps; r++) {
+            memcpy(dst, src, bytes);
             double t0 = now();
+            memcpy(dst, src, bytes);
+            tm[r] = now() - t0;
+            pb_strided(d, &L, dst, src, false, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, false);
+            t0 = now();
             pb_strided(d, &L, dst, src, false, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, false);
             tp[r] = now() - t0;
         }
-        double mp = median(tp, reps);
+        double mm = median(tm, reps), mp = median(tp, reps);
         printf("permute %-4s %llu MiB [%d,%d,%d,%d]  %7.2f ms  memcpy %7.2f ms  %5.2f GB/s  of memcpy %.2f\n",
                pb_dtype_name(d), (unsigned long long)(bytes >> 20), perms[p][0], perms[p][1], perms[p][2], perms[p][3],
                mp * 1e3, mm * 1e3, 2.0 * (double)bytes / mp * 1e-9, mm / mp);
