@@ -47,7 +47,7 @@ void pb_alloc_init(void)
 
 static void heap_free(pb_storage_t *s)
 {
-    free(s->ptr);
+    free(s->free_ctx); /* the block malloc gave; ptr is aligned inside it */
 }
 
 pb_storage_t *pb_storage_new(size_t size, bool zero)
@@ -55,18 +55,18 @@ pb_storage_t *pb_storage_new(size_t size, bool zero)
     pb_storage_t *s = malloc(sizeof *s);
     if (s == NULL)
         return NULL;
-    /* aligned_alloc wants a multiple of the alignment; never 0 bytes so a
-     * zero-size tensor still has a valid, unique pointer. */
-    size_t rounded = (size + PB_ALIGN - 1) / PB_ALIGN * PB_ALIGN;
-    if (rounded < size) {
+    /* malloc and align by hand: glibc does not hand a freed aligned_alloc
+     * block to a later request, so every large tensor would page-fault
+     * fresh memory (measured: ~6 MB of faults per round of a 4 MiB and two
+     * 1 MiB tensors, none with malloc).  Never 0 bytes, so a zero-size
+     * tensor still has a valid, unique pointer. */
+    size_t total = size + PB_ALIGN;
+    void *block = total < size ? NULL : malloc(total);
+    if (block == NULL) {
         free(s);
         return NULL;
     }
-    s->ptr = aligned_alloc(PB_ALIGN, rounded ? rounded : PB_ALIGN);
-    if (s->ptr == NULL) {
-        free(s);
-        return NULL;
-    }
+    s->ptr = (void *)(((uintptr_t)block + PB_ALIGN - 1) & ~(uintptr_t)(PB_ALIGN - 1));
     if (zero)
         memset(s->ptr, 0, size);
     atomic_init(&s->refs, 1);
@@ -74,7 +74,7 @@ pb_storage_t *pb_storage_new(size_t size, bool zero)
     s->device = (pb_device_t){PB_DEV_CPU, 0};
     s->size = size;
     s->free_fn = heap_free;
-    s->free_ctx = NULL;
+    s->free_ctx = block;
     return s;
 }
 
