@@ -154,10 +154,7 @@ static void loop_set(pb_loop_t *L, int slot, const int64_t *st1, int n1, const i
 
 static void *scratch(size_t n, size_t item)
 {
-    void *p = NULL;
-    if (posix_memalign(&p, PB_ALIGN, (n ? n : 1) * item))
-        return NULL;
-    return p;
+    return pb_mem_alloc((n ? n : 1) * item);
 }
 
 int pb_contract(pb_dtype_t d, const pb_cspec_t *s, pb_scalar_t alpha, const pb_tview_t *A, bool conjA,
@@ -291,8 +288,8 @@ int pb_contract(pb_dtype_t d, const pb_cspec_t *s, pb_scalar_t alpha, const pb_t
 nomem:
     rc = PB_ENOMEM;
 done:
-    free(ab);
-    free(bb);
-    free(mb);
+    pb_mem_free(ab);
+    pb_mem_free(bb);
+    pb_mem_free(mb);
     return rc;
 }

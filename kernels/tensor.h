@@ -85,6 +85,11 @@ pb_dtype_t pb_dtype_complex(pb_dtype_t d);
  * Called once at startup, before any thread is made. */
 void pb_alloc_init(void);
 
+/* size bytes aligned to PB_ALIGN, from malloc (so freed blocks are
+ * reused); NULL when out of memory.  Freed with pb_mem_free only. */
+void *pb_mem_alloc(size_t size);
+void pb_mem_free(void *p);
+
 /* A heap storage of size bytes, PB_ALIGN-aligned, uninitialised (zeroed
  * when zero is true).  NULL when out of memory. */
 pb_storage_t *pb_storage_new(size_t size, bool zero);
