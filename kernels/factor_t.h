@@ -621,6 +621,7 @@ static int FN(svd_pullback)(const T *U, int m, int nu, const RT *S, int k, const
                             const RT *dS, const T *dVh, T *dA, double rank_atol, double deg_atol, double *gauge)
 {
     int r = FN(svd_rank)(S, k, rank_atol), cu = nu - k, cv = nv - k, c2 = cu > cv ? cu : cv;
+    const bool uperp = dU && m > r, vperp = dVh && n > r; /* complements to project onto */
     double g = 0;
     if (dU)
         g = fmax(g, FN(maxabs)(dU, m, 0, m, r, k - r));
@@ -644,7 +645,8 @@ static int FN(svd_pullback)(const T *U, int m, int nu, const RT *S, int k, const
             FN(gemm)('N', 'C', m, r, cu, mone, U2, m, C, r, one, dUr, m);
         }
         FN(gemm)('C', 'N', r, r, m, one, U, m, dUr, m, zero, X, r);
-        FN(gemm)('N', 'N', m, r, r, mone, U, m, X, r, one, dUr, m); /* (I − UᵣUᵣᴴ)ΔUᵣ */
+        if (uperp) /* (I − UᵣUᵣᴴ)ΔUᵣ, which is 0 when Uᵣ is square */
+            FN(gemm)('N', 'N', m, r, r, mone, U, m, X, r, one, dUr, m);
     }
     if (dVh) {
         for (int j = 0; j < n; j++)
@@ -658,7 +660,8 @@ static int FN(svd_pullback)(const T *U, int m, int nu, const RT *S, int k, const
             FN(gemm)('N', 'N', r, n, cv, mone, C, r, V2, nv, one, dVr, r);
         }
         FN(gemm)('N', 'C', r, r, n, one, Vh, nv, dVr, r, zero, Y, r);
-        FN(gemm)('C', 'N', r, n, r, mone, Y, r, Vh, nv, one, dVr, r); /* ΔVhᵣ(I − VhᵣᴴVhᵣ) */
+        if (vperp) /* ΔVhᵣ(I − VhᵣᴴVhᵣ), 0 when Vhᵣ is square */
+            FN(gemm)('C', 'N', r, n, r, mone, Y, r, Vh, nv, one, dVr, r);
     }
     FN(antiherm)(X, r);
     FN(antiherm)(Y, r);
@@ -678,13 +681,13 @@ static int FN(svd_pullback)(const T *U, int m, int nu, const RT *S, int k, const
     if (dS)
         for (int i = 0; i < r; i++)
             E(K, r, i, i) += dS[i];
-    if (dU) /* ΔA += (ΔUᵣ⊥ S⁻¹ + Uᵣ K)·Vhᵣ */
+    if (uperp) /* ΔA += (ΔUᵣ⊥ S⁻¹ + Uᵣ K)·Vhᵣ */
         for (int j = 0; j < r; j++)
             for (int i = 0; i < m; i++)
                 E(dUr, m, i, j) /= S[j];
-    FN(gemm)('N', 'N', m, r, r, one, U, m, K, r, dU ? one : zero, dUr, m);
+    FN(gemm)('N', 'N', m, r, r, one, U, m, K, r, uperp ? one : zero, dUr, m);
     FN(gemm)('N', 'N', m, n, r, one, dUr, m, Vh, nv, one, dA, m);
-    if (dVh) { /* ΔA += Uᵣ·S⁻¹·ΔVhᵣ⊥ */
+    if (vperp) { /* ΔA += Uᵣ·S⁻¹·ΔVhᵣ⊥ */
         for (int j = 0; j < n; j++)
             for (int i = 0; i < r; i++)
                 E(dVr, r, i, j) /= S[i];
