@@ -76,12 +76,6 @@ static bool walk_next(const walk_t *W, walk_cur_t *c)
 #define SFX _s
 #define CPLX 0
 #include "strided_t.h"
-#undef T
-#undef ACC
-#undef SFX
-#undef CPLX
-#undef WORD
-#undef LANES
 #define T double
 #define WORD uint64_t
 #define LANES 2
@@ -89,12 +83,6 @@ static bool walk_next(const walk_t *W, walk_cur_t *c)
 #define SFX _d
 #define CPLX 0
 #include "strided_t.h"
-#undef T
-#undef ACC
-#undef SFX
-#undef CPLX
-#undef WORD
-#undef LANES
 #define T float complex
 #define WORD uint64_t
 #define LANES 2
@@ -103,13 +91,6 @@ static bool walk_next(const walk_t *W, walk_cur_t *c)
 #define SFXC f
 #define CPLX 1
 #include "strided_t.h"
-#undef T
-#undef ACC
-#undef SFX
-#undef SFXC
-#undef CPLX
-#undef WORD
-#undef LANES
 #define T double complex
 #define WORD uint64_t
 #define LANES 1
@@ -118,13 +99,6 @@ static bool walk_next(const walk_t *W, walk_cur_t *c)
 #define SFXC
 #define CPLX 1
 #include "strided_t.h"
-#undef T
-#undef ACC
-#undef SFX
-#undef SFXC
-#undef CPLX
-#undef WORD
-#undef LANES
 
 void pb_dense_strides(int rank, const uint64_t *shape, char order, int64_t *stride)
 {

@@ -1,6 +1,7 @@
 /* The strided passes for one element type; included by strided.c with
  * T (element), ACC (accumulator: double or double complex), SFX (name
- * suffix) and CPLX (1 for complex types) defined. */
+ * suffix) and CPLX (1 for complex types) defined; it undefines them at
+ * its end. */
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 #define FN(name) CAT(name, SFX)
@@ -305,3 +306,11 @@ static ACC FN(dot)(const pb_loop_t *L, const T *a, const T *b, int cj)
 #undef FN
 #undef CAT
 #undef CAT_
+/* the instantiation's parameters, so the next one starts clean */
+#undef T
+#undef ACC
+#undef SFX
+#undef SFXC
+#undef CPLX
+#undef WORD
+#undef LANES
