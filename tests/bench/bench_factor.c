@@ -18,6 +18,7 @@
 #include <complex.h>
 #include <lapacke.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,21 +27,28 @@
 #include "kernels/blas.h"
 #include "kernels/op.h"
 
+/* Uniform in [-1, 1) from splitmix64: a generic matrix.  (A hashed
+ * pattern modulo 1000 once stood here; its matrices had rank 1000 at
+ * 1024², so the QR figures measured the rank-deficient path.) */
+static double uniform(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15u);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9u;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebu;
+    z ^= z >> 31;
+    return (double)(z >> 11) * 0x1p-52 - 1.0;
+}
+
 static void fill(pb_tensor_t *t, pb_dtype_t d, int m, int n, bool herm)
 {
-    uint64_t sh[2] = {(uint64_t)m, (uint64_t)n};
+    uint64_t sh[2] = {(uint64_t)m, (uint64_t)n}, state = 42;
     if (pb_tensor_alloc(t, d, 2, sh, 'F', false))
         abort();
     bool cx = pb_dtype_is_complex(d);
     double *p = pb_tensor_data(t);
     size_t stride = cx ? 2 : 1;
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i < m; i++) {
-            double *e = p + ((size_t)j * m + i) * stride;
-            e[0] = (double)(((size_t)(i * 7919 + j * 104729 + 17) * 2654435761u) % 1000) / 500.0 - 1.0;
-            if (cx)
-                e[1] = (double)(((size_t)(i * 31 + j * 977 + 5) * 40503u) % 1000) / 500.0 - 1.0;
-        }
+    for (size_t i = 0; i < (size_t)m * n * stride; i++)
+        p[i] = uniform(&state);
     if (herm) /* A = (A + Aᴴ)/2 */
         for (int j = 0; j < n; j++)
             for (int i = 0; i <= j; i++) {
@@ -111,8 +119,9 @@ static void random_like(pb_tensor_t *t, const pb_tensor_t *meta)
         abort();
     size_t n = pb_tensor_count(t) * (pb_dtype_is_complex(t->dtype) ? 2 : 1);
     double *p = pb_tensor_data(t);
+    uint64_t state = 7;
     for (size_t i = 0; i < n; i++)
-        p[i] = (double)((i * 2654435761u) % 1000) / 1000.0 - 0.5;
+        p[i] = uniform(&state) / 2;
 }
 
 static void bench(const char *name, pb_dtype_t d, int m, int n, int reps)
@@ -172,7 +181,7 @@ int main(int argc, char **argv)
     pb_blas_init_threads(1);
     static const pb_dtype_t ds[2] = {PB_F64, PB_C128};
     static const char *const all[] = {"qr_compact", "eigh_full", "svd_compact", "left_polar", "eig_full"};
-    const char *only = getenv("PB_BENCH_OP");
+    const char *only = getenv("PB_BENCH_OP"), *shape = getenv("PB_BENCH_SHAPE"), *dtype = getenv("PB_BENCH_DTYPE");
     const char *const *ops = all;
     size_t nops = sizeof all / sizeof all[0];
     if (only) {
@@ -188,6 +197,10 @@ int main(int argc, char **argv)
                 if (square && m != n)
                     continue;
                 if (strcmp(ops[o], "eig_full") == 0 && m > 256)
+                    continue;
+                char sh[32];
+                snprintf(sh, sizeof sh, "%dx%d", m, n);
+                if ((shape && strcmp(shape, sh) != 0) || (dtype && strcmp(dtype, pb_dtype_name(ds[di])) != 0))
                     continue;
                 bench(ops[o], ds[di], m, n, quick ? 1 : m >= 1024 ? 3 : 5);
             }
