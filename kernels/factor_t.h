@@ -68,6 +68,57 @@ static void FN(trsm_right)(char op, int m, int n, const T *U, int ldu, T *X, int
                 LD(ldx));
 }
 
+/* The upper triangle (diagonal included) of C (n×n, ldc) += alpha·
+ * op(A)·op(B), op(A) n×k and op(B) k×n, op 'N' or 'C': half a GEMM's
+ * flops, taken recursively so that most of them run as large GEMMs
+ * (C₁₂ += op(A)₁·op(B)₂) rather than many thin ones.  Entries below C's
+ * diagonal are left undefined. */
+static void FN(gemm_upper)(char ta, char tb, int n, int k, T alpha, const T *A, int lda, const T *B, int ldb, T *C,
+                           int ldc)
+{
+    const T one = 1;
+    if (n <= QR_BLOCK) {
+        FN(gemm)(ta, tb, n, n, k, alpha, A, lda, B, ldb, one, C, ldc);
+        return;
+    }
+    int n1 = n / 2, n2 = n - n1;
+    const T *A2 = ta == 'N' ? A + n1 : A + (size_t)n1 * lda, *B2 = tb == 'N' ? B + (size_t)n1 * ldb : B + n1;
+    FN(gemm_upper)(ta, tb, n1, k, alpha, A, lda, B, ldb, C, ldc);
+    FN(gemm)(ta, tb, n1, n2, k, alpha, A, lda, B2, ldb, one, C + (size_t)n1 * ldc, ldc);
+    FN(gemm_upper)(ta, tb, n2, k, alpha, A2, lda, B2, ldb, C + (size_t)n1 * ldc + n1, ldc);
+}
+
+/* The upper triangle of C (n×n, ldc) += D·Rᴴ for D and R upper
+ * triangular (n×n; D's lower part is never read): C_ij += Σ_{k≥j}
+ * D_ik conj(R_jk), n³/3 flops.  In halves: C₁₁ += D₁₁R₁₁ᴴ + D₁₂R₁₂ᴴ,
+ * C₁₂ += D₁₂R₂₂ᴴ (a TRMM), C₂₂ += D₂₂R₂₂ᴴ.  Entries below C's diagonal
+ * are left undefined; work (n×n/2 at least) is scratch. */
+static void FN(triu_mul_upper)(int n, const T *D, int ldd, const T *R, int ldr, T *C, int ldc, T *work)
+{
+    const T one = 1;
+    if (n <= QR_BLOCK) { /* C[:je, j0:je] += D[:je, j0:]·R[j0:je, j0:]ᴴ by column blocks */
+        for (int j0 = 0; j0 < n; j0 += 16) {
+            int jw = n - j0 < 16 ? n - j0 : 16, je = j0 + jw;
+            FN(gemm)('N', 'C', je, jw, n - j0, one, D + (size_t)j0 * ldd, ldd, R + (size_t)j0 * ldr + j0, ldr, one,
+                     C + (size_t)j0 * ldc, ldc);
+        }
+        return;
+    }
+    int n1 = n / 2, n2 = n - n1;
+    const T *D12 = D + (size_t)n1 * ldd, *R12 = R + (size_t)n1 * ldr;
+    FN(triu_mul_upper)(n1, D, ldd, R, ldr, C, ldc, work);
+    FN(gemm_upper)('N', 'C', n1, n2, one, D12, ldd, R12, ldr, C, ldc);
+    /* C₁₂ += D₁₂·R₂₂ᴴ: the TRMM works in place, so on a copy of D₁₂ */
+    for (int j = 0; j < n2; j++)
+        memcpy(work + (size_t)j * n1, D12 + (size_t)j * ldd, (size_t)n1 * sizeof(T));
+    CBLAS(trmm)(CblasColMajor, CblasRight, CblasUpper, CblasConjTrans, CblasNonUnit, n1, n2, SCAL(one), R12 + n1,
+                LD(ldr), work, LD(n1));
+    for (int j = 0; j < n2; j++)
+        for (int i = 0; i < n1; i++)
+            E(C, ldc, i, n1 + j) += E(work, n1, i, j);
+    FN(triu_mul_upper)(n2, D12 + n1, ldd, R12 + n1, ldr, C + (size_t)n1 * ldc + n1, ldc, work);
+}
+
 /* Y (n×m) = Xᴴ for X m×n. */
 static void FN(adjoint)(const T *X, int m, int n, T *Y)
 {
@@ -273,7 +324,9 @@ static int FN(qr_pullback)(const T *Q, int m, int nq, const T *Rm, int nr, int n
             g = fmax(g, FN(maxabs)(dR, nr, p, k - p, p, n - p));
     }
     T *dQt = FN(zalloc)((size_t)m * (size_t)p), *M = FN(zalloc)((size_t)p * (size_t)p);
-    T *X = FN(zalloc)((size_t)(p > q2 ? p : q2) * (size_t)(q2 > 0 ? q2 : 1));
+    /* X: Q₂ᴴΔQ₂ and Q₁ᴴΔQ₂, then triu_mul_upper's scratch (p/2)×(p−p/2) */
+    size_t xn = (size_t)(p > q2 ? p : q2) * (size_t)q2, wn = (size_t)(p / 2) * (size_t)(p - p / 2);
+    T *X = FN(zalloc)(xn > wn ? xn : wn);
     if (dQt == NULL || M == NULL || X == NULL) {
         free(dQt);
         free(M);
@@ -298,17 +351,12 @@ static int FN(qr_pullback)(const T *Q, int m, int nq, const T *Rm, int nr, int n
         FN(gemm)('N', 'N', m, n - p, p, one, Q, m, dR12, nr, one, dA + (size_t)p * m, m);
     }
     /* Only M's upper triangle is used (the rest is its mirror), so both
-     * products are taken by column blocks down to the diagonal block:
-     * ΔR₁₁R₁₁ᴴ there needs only R's columns from the block on (R upper),
-     * p³/3 flops instead of p³, and Q₁ᴴQ̃ half its 2mp². */
+     * products are taken as triangles: ΔR₁₁R₁₁ᴴ with R upper in p³/3
+     * flops instead of 2p³, and Q₁ᴴQ̃ in mp² instead of 2mp². */
     memset(M, 0, (size_t)p * (size_t)p * sizeof(T));
-    for (int j0 = 0; j0 < p; j0 += QR_BLOCK) {
-        int jw = p - j0 < QR_BLOCK ? p - j0 : QR_BLOCK, je = j0 + jw;
-        if (dR) /* M[:je, j0:je] = ΔR₁₁[:je, j0:p]·R₁₁[j0:je, j0:p]ᴴ */
-            FN(gemm)('N', 'C', je, jw, p - j0, one, dR + (size_t)j0 * nr, nr, Rm + (size_t)j0 * nr + j0, nr, zero,
-                     M + (size_t)j0 * p, p);
-        FN(gemm)('C', 'N', je, jw, m, mone, Q, m, dQt + (size_t)j0 * m, m, one, M + (size_t)j0 * p, p);
-    }
+    if (dR)
+        FN(triu_mul_upper)(p, dR, nr, Rm, nr, M, p, X);
+    FN(gemm_upper)('C', 'N', p, m, mone, Q, m, dQt, m, M, p);
     for (int j = 0; j < p; j++) {
         E(M, p, j, j) = (T)RE(E(M, p, j, j));
         for (int i = j + 1; i < p; i++)
@@ -1259,21 +1307,15 @@ static double FN(tnorm)(const pb_tensor_t *t)
         return 0;
     size_t n = pb_tensor_count(t);
     double s = 0;
-    if (pb_dtype_is_complex(t->dtype) == (bool)CPLX && t->dtype == DT)
-        for (size_t i = 0; i < n; i++) {
-            double a = ABS(((const T *)pb_tensor_data(t))[i]);
-            s += a * a;
-        }
-    else if (t->dtype == RDT)
-        for (size_t i = 0; i < n; i++) {
-            double a = (double)((const RT *)pb_tensor_data(t))[i];
-            s += a * a;
-        }
-    else
-        for (size_t i = 0; i < n; i++) {
-            double a = cabs(((const CT *)pb_tensor_data(t))[i]);
-            s += a * a;
-        }
+    /* a complex tensor as its 2n real parts: |z|² = re² + im² without
+     * cabs's overflow-safe (and slow) hypot; a gauge threshold needs no
+     * more range than a double's */
+    if (t->dtype == RDT || t->dtype == CDT) {
+        const RT *x = pb_tensor_data(t);
+        size_t nr = t->dtype == CDT ? 2 * n : n;
+        for (size_t i = 0; i < nr; i++)
+            s += (double)x[i] * (double)x[i];
+    }
     return sqrt(s);
 }
 
