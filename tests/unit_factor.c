@@ -30,6 +30,7 @@
 
 #include "kernels/check.h"
 #include "kernels/op.h"
+#include "lapack_fault.h"
 
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
 static double urand(void)
@@ -861,6 +862,120 @@ static void errors(void **state)
     pb_call_clear(&c);
 }
 
+/* ---- LAPACK failures (drivers made to fail by lapack_fault.c) ---- */
+
+/* A LAPACK failure as the contract reports it: numerical_error on
+ * inputs.A (or the tape), naming the driver, with its info. */
+static void assert_lapack_error(int rc, const pb_err_t *err, const char *driver, int info)
+{
+    if (rc != PB_ENUMERICAL)
+        fail_msg("%s made to fail: rc %d (%s)", driver, rc, rc ? err->message : "no error");
+    assert_true(err->has_info);
+    assert_int_equal(err->info, info);
+    if (strstr(err->message, driver) == NULL)
+        fail_msg("the message does not name %s: %s", driver, err->message);
+}
+
+static void lapack_failures(void **state)
+{
+    (void)state;
+    static const char letters[4] = {'d', 'z', 's', 'c'}; /* as dtypes[] */
+    char spec[128], name[16];
+    pb_err_t err = {0};
+    for (int di = 0; di < 4; di++) {
+        pb_dtype_t d = dtypes[di];
+        char L = letters[di];
+        /* gesdd fails: the SVD comes from gesvd, the same as gesdd's */
+        uint64_t saved = rng;
+        pb_call_t ref, c;
+        call_init(&ref, "svd_compact", d, 'F');
+        make_A(&ref.in[0], d, 9, 7, 'F', RANDOM);
+        lapack_fault_set("");
+        run_forward(&ref);
+        snprintf(name, sizeof name, "%cgesdd", L);
+        assert_int_equal(lapack_fault_calls(name), 1);
+        rng = saved;
+        call_init(&c, "svd_compact", d, 'F');
+        make_A(&c.in[0], d, 9, 7, 'F', RANDOM);
+        snprintf(spec, sizeof spec, "%cgesdd=4", L);
+        lapack_fault_set(spec);
+        run_forward(&c);
+        snprintf(name, sizeof name, "%cgesvd", L);
+        assert_int_equal(lapack_fault_calls(name), 1);
+        double tol = 100 * eps_of(d) * 9;
+        for (int o = 0; o < 3; o++)
+            for (size_t i = 0; i < rows(&ref.out[o]); i++)
+                for (size_t j = 0; j < cols(&ref.out[o]); j++)
+                    if (cabs(get(&c.out[o], i, j) - get(&ref.out[o], i, j)) > tol)
+                        fail_msg("%s output %d (%zu, %zu): gesvd's differs from gesdd's", pb_dtype_name(d), o, i, j);
+        for (int o = 0; o < PB_MAX_IO; o++) {
+            pb_tensor_clear(&c.out[o]);
+            pb_tensor_clear(&ref.out[o]);
+        }
+        pb_call_clear(&c);
+        pb_call_clear(&ref);
+        /* both fail: numerical_error with gesvd's info, for every op
+         * through the SVD */
+        snprintf(spec, sizeof spec, "%cgesdd=4,%cgesvd=2", L, L);
+        lapack_fault_set(spec);
+        static const char *const svd_ops[] = {"svd_compact", "svd_full", "svd_vals", "svd_trunc", "left_polar",
+                                              "right_polar"};
+        for (size_t o = 0; o < sizeof svd_ops / sizeof svd_ops[0]; o++) {
+            bool right = strcmp(svd_ops[o], "right_polar") == 0;
+            assert_lapack_error(forward_rc(svd_ops[o], d, right ? 5 : 7, right ? 7 : 5, RANDOM, -1, &err), &err,
+                                "gesvd", 2);
+            assert_string_equal(err.arg, "inputs.A");
+        }
+        /* the eigensolvers */
+        snprintf(spec, sizeof spec, "%c%s=3", L, cplx(d) ? "heevd" : "syevd");
+        lapack_fault_set(spec);
+        assert_lapack_error(forward_rc("eigh_full", d, 6, 6, HERMITIAN, -1, &err), &err, cplx(d) ? "heevd" : "syevd",
+                            3);
+        assert_lapack_error(forward_rc("eigh_vals", d, 6, 6, HERMITIAN, -1, &err), &err, cplx(d) ? "heevd" : "syevd",
+                            3);
+        snprintf(spec, sizeof spec, "%cgeev=5", L);
+        lapack_fault_set(spec);
+        assert_lapack_error(forward_rc("eig_full", d, 6, 6, RANDOM, -1, &err), &err, "geev", 5);
+        assert_lapack_error(forward_rc("eig_vals", d, 6, 6, RANDOM, -1, &err), &err, "geev", 5);
+        /* QR and LQ: the drivers report info > 0 the same way */
+        snprintf(spec, sizeof spec, "%cgeqrf=1,%cgelqf=1", L, L);
+        lapack_fault_set(spec);
+        assert_lapack_error(forward_rc("qr_compact", d, 6, 4, RANDOM, -1, &err), &err, "geqrf", 1);
+        assert_lapack_error(forward_rc("lq_full", d, 4, 6, RANDOM, -1, &err), &err, "gelqf", 1);
+        /* in the reverse: eig's LU of V (a defective A), in complex
+         * arithmetic for a real A too */
+        snprintf(spec, sizeof spec, "%cgetrf=2", d == PB_F64 ? 'z' : d == PB_F32 ? 'c' : L);
+        lapack_fault_set(spec);
+        call_init(&c, "eig_full", d, 'C');
+        make_A(&c.in[0], d, 5, 5, 'C', RANDOM);
+        pb_tensor_t cot[PB_MAX_IO] = {{0}}, grad[PB_MAX_IO + 2] = {{0}};
+        uint64_t vs[2] = {5, 5};
+        assert_int_equal(pb_tensor_alloc(&cot[1], cplx(d) ? d : d == PB_F32 ? PB_C64 : PB_C128, 2, vs, 'C', true), 0);
+        set(&cot[1], 1, 2, 1.0);
+        pb_warnings_t w = {0};
+        assert_lapack_error(reverse_with(&c, cot, grad, &w, &err), &err, "getrf", 2);
+        assert_non_null(strstr(err.message, "defective"));
+        pb_tensor_clear(&cot[1]);
+        for (int o = 0; o < PB_MAX_IO; o++)
+            pb_tensor_clear(&c.out[o]);
+        pb_call_clear(&c);
+        /* and qr_null's Cholesky of R₁R₁ᴴ, for a rank-deficient A */
+        snprintf(spec, sizeof spec, "%cpotrf=1", L);
+        lapack_fault_set(spec);
+        call_init(&c, "qr_null", d, 'C');
+        make_A(&c.in[0], d, 11, 8, 'C', LOWRANK);
+        uint64_t ns[2] = {11, 3};
+        assert_int_equal(pb_tensor_alloc(&cot[0], d, 2, ns, 'C', true), 0);
+        set(&cot[0], 4, 1, 1.0);
+        assert_lapack_error(reverse_with(&c, cot, grad, &w, &err), &err, "potrf", 1);
+        pb_tensor_clear(&cot[0]);
+        for (int o = 0; o < PB_MAX_IO; o++)
+            pb_tensor_clear(&c.out[o]);
+        pb_call_clear(&c);
+    }
+    lapack_fault_set("");
+}
+
 /* Zero-size matrices give zero-size outputs and gradients. */
 static void zero_size(void **state)
 {
@@ -919,7 +1034,7 @@ int main(void)
         cmocka_unit_test(forward_props),   cmocka_unit_test(fd_all),          cmocka_unit_test(rank_deficient),
         cmocka_unit_test(degenerate_eigh), cmocka_unit_test(degenerate_svd),  cmocka_unit_test(truncations),
         cmocka_unit_test(trunc_not_naive), cmocka_unit_test(errors),          cmocka_unit_test(zero_size),
-        cmocka_unit_test(tape_sizes),      cmocka_unit_test(qr_blocks),
+        cmocka_unit_test(tape_sizes),      cmocka_unit_test(qr_blocks),       cmocka_unit_test(lapack_failures),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

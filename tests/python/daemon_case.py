@@ -30,6 +30,7 @@ def wait_for_socket(path, proc, timeout=10):
 
 class DaemonCase(unittest.TestCase):
     DAEMON_ARGS = []  # extra flags for the daemon
+    DAEMON_ENV = {}  # extra environment for the daemon
 
     @classmethod
     def setUpClass(cls):
@@ -37,7 +38,7 @@ class DaemonCase(unittest.TestCase):
         cls.path = os.path.join(cls.dir, "pullbackd.sock")
         binary = os.environ.get("PULLBACKD_BIN", "build/daemon/pullbackd")
         cls.proc = subprocess.Popen([binary, "--socket", cls.path, "--workers", "2", "--log-level", "warning"]
-                                    + [str(a) for a in cls.DAEMON_ARGS])
+                                    + [str(a) for a in cls.DAEMON_ARGS], env={**os.environ, **cls.DAEMON_ENV})
         try:
             wait_for_socket(cls.path, cls.proc)
         except BaseException:

@@ -282,5 +282,66 @@ class FactorTest(DaemonCase):
         self.assertEqual(ops["qr_compact"]["outputs"], ["Q", "R"])
 
 
+FAULT_LIB = os.environ.get("PB_LAPACK_FAULT_LIB", "")
+
+
+@unittest.skipUnless(os.path.exists(FAULT_LIB), "no PB_LAPACK_FAULT_LIB: the LAPACK failure module was not built")
+class LapackFailureTest(DaemonCase):
+    """LAPACK drivers that fail, end to end: the daemon runs with
+    tests/lapack_fault.c preloaded, whose drivers return the info that
+    $PB_LAPACK_FAULT names for calls of a given order n (see that file)."""
+
+    DAEMON_ENV = {
+        "LD_PRELOAD": FAULT_LIB,
+        # an ASan daemon: the module (which links the ASan runtime) comes first
+        "ASAN_OPTIONS": ":".join(filter(None, [os.environ.get("ASAN_OPTIONS"), "verify_asan_link_order=0"])),
+        "PB_LAPACK_FAULT": "dgesdd/7=4,zgesdd/7=4,dgesdd/6=4,dgesvd/6=2,zgesdd/6=4,zgesvd/6=2,dsyevd/5=3,"
+                           "zheevd/5=3,dgeev/5=5,zgeev/5=5,dgeqrf/9=1",
+    }
+
+    def setUp(self):
+        self.c = pullbackd.Client(self.path, timeout=30)
+        self.rng = np.random.default_rng(11)
+
+    def tearDown(self):
+        self.c.close()
+
+    def lapack_error(self, op, A, driver, info):
+        with self.assertRaises(PullbackError) as e:
+            self.c.forward(op, {"A": A})
+        self.assertEqual(e.exception.code, "numerical_error", op)
+        self.assertEqual(e.exception.details.get("info"), info, op)
+        self.assertIn(driver, e.exception.message)
+        self.assertIn("did not converge", e.exception.message)
+
+    def test_gesdd_falls_back_to_gesvd(self):
+        for dtype in (np.float64, np.complex128):
+            A = self.rng.standard_normal((9, 7)).astype(dtype)
+            if cx(dtype):
+                A = A + 1j * self.rng.standard_normal((9, 7))
+            out = self.c.forward("svd_compact", {"A": A})
+            U, S, Vh = np.linalg.svd(A, full_matrices=False)
+            np.testing.assert_allclose(out["S"], S, rtol=1e-12, atol=1e-12)
+            np.testing.assert_allclose(out["U"] * out["S"] @ out["Vh"], A, atol=1e-12)
+            Ug = gauge(U)
+            np.testing.assert_allclose(out["U"], Ug if cx(dtype) else Ug.real, atol=1e-10)
+
+    def test_driver_failures(self):
+        for dtype in (np.float64, np.complex128):
+            A = self.rng.standard_normal((8, 6)).astype(dtype)
+            for op in ("svd_compact", "svd_full", "svd_vals", "svd_trunc", "left_polar"):
+                self.lapack_error(op, A, "gesvd", 2)
+            self.lapack_error("right_polar", A.T.copy(), "gesvd", 2)
+            H = A[:5, :5] + A[:5, :5].conj().T
+            self.lapack_error("eigh_full", H, "heevd" if cx(dtype) else "syevd", 3)
+            self.lapack_error("eigh_vals", H, "heevd" if cx(dtype) else "syevd", 3)
+            self.lapack_error("eig_full", A[:5, :5].copy(), "geev", 5)
+            self.lapack_error("eig_vals", A[:5, :5].copy(), "geev", 5)
+        self.lapack_error("qr_compact", self.rng.standard_normal((10, 9)), "geqrf", 1)
+        # the same daemon still answers other sizes
+        A = self.rng.standard_normal((4, 4))
+        np.testing.assert_allclose(self.c.forward("svd_vals", {"A": A})["S"], np.linalg.svd(A)[1], rtol=1e-12)
+
+
 if __name__ == "__main__":
     unittest.main(verbosity=2)

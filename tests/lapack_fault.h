@@ -1,0 +1,13 @@
+/* LAPACK failures on demand for the tests; see lapack_fault.c. */
+#ifndef PB_TESTS_LAPACK_FAULT_H
+#define PB_TESTS_LAPACK_FAULT_H
+
+/* Fail the drivers `spec` names ("NAME[/N]=INFO,..."; NULL: take
+ * $PB_LAPACK_FAULT, "": fail none) and reset the call counts.  The spec
+ * is not copied. */
+void lapack_fault_set(const char *spec);
+
+/* Calls of the driver NAME ("dgesvd") since the last lapack_fault_set. */
+int lapack_fault_calls(const char *name);
+
+#endif
