@@ -95,7 +95,7 @@ static void fz_resolve(const pb_op_t *op, const pb_optval_t *opt, double amax, p
 }
 
 #define E(M, ld, i, j) (M)[(size_t)(j) * (size_t)(ld) + (size_t)(i)]
-#define QR_BLOCK 96 /* column block of the QR pullback's triangular products */
+#define QR_BLOCK 96 /* below this order the QR pullback's triangular products stop halving */
 #define LD(x) ((x) > 1 ? (x) : 1)
 
 static CBLAS_TRANSPOSE fz_tr(char t)

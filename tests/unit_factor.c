@@ -207,8 +207,10 @@ static void fd_all(void **state)
             }
 }
 
-/* Matrices larger than the QR pullback's column block (96), tall, square
- * and wide, so that its blocked triangular products are measured too. */
+/* Matrices larger than the QR pullback's base block (96), tall, square
+ * and wide (230 splits 115 → 57 + 58, 200 splits 100 → 50 + 50), so that
+ * its recursive triangular products (gemm_upper, triu_mul_upper) are
+ * checked at two levels of halving and with odd halves. */
 static void qr_blocks(void **state)
 {
     (void)state;
