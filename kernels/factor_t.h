@@ -788,32 +788,34 @@ static int FN(polar_factor)(const T *A, int m, int n, T *W, T *P, T *V, RT *S, p
 }
 
 /* dA (m×n) += the pullback of A = W·P, with P = V·diag(S)·Vᴴ
- * (MatrixAlgebraKit's rule): ΔPₕ = (ΔP + ΔPᴴ)/2, M = WᴴΔW − ΔPₕ·P,
+ * (MatrixAlgebraKit's rule): ΔPₕ = (ΔP + ΔPᴴ)/2, K = WᴴΔW, M = K − ΔPₕ·P,
  * X solving P·X + X·P = M − Mᴴ (in P's eigenbasis: (VᴴCV)_ij/(S_i + S_j)),
- *   ΔA = W·(X + ΔPₕ) + (I − WWᴴ)·ΔW·P⁻¹. */
+ *   ΔA = W·(X + ΔPₕ) + (I − WWᴴ)·ΔW·P⁻¹
+ *      = W·(X + ΔPₕ − K·P⁻¹) + ΔW·P⁻¹,
+ * the second form reusing K.  A square W is unitary, I − WWᴴ = 0, and the
+ * P⁻¹ terms are skipped: 8 GEMMs of n³ then, where the first form took 12. */
 static int FN(polar_pullback)(const T *W, int m, int n, const T *V, const RT *S, const T *dW, const T *dP, T *dA,
                               double tol)
 {
     size_t nn = (size_t)n * n;
     T *P = FN(zalloc)(nn), *M = FN(zalloc)(nn), *C = FN(zalloc)(nn), *Z = FN(zalloc)(nn), *Ph = FN(zalloc)(nn);
-    T *G = FN(zalloc)((size_t)m * n);
+    T *K = FN(zalloc)(nn);
     int rc = PB_ENOMEM;
     const T one = 1, zero = 0, mone = -1;
-    if (!(P && M && C && Z && Ph && G))
+    const bool tall = m > n && dW;
+    if (!(P && M && C && Z && Ph && K))
         goto out;
-    for (int j = 0; j < n; j++) /* P = V·S·Vᴴ, and Z = V·S⁻¹ for P⁻¹ */
-        for (int i = 0; i < n; i++) {
+    for (int j = 0; j < n; j++) /* P = V·S·Vᴴ */
+        for (int i = 0; i < n; i++)
             E(Z, n, i, j) = (T)(E(V, n, i, j) * S[j]);
-            E(C, n, i, j) = (T)(fabs((double)S[j]) >= tol ? E(V, n, i, j) / S[j] : 0);
-        }
     FN(gemm)('N', 'C', n, n, n, one, Z, n, V, n, zero, P, n);
-    FN(gemm)('N', 'C', n, n, n, one, C, n, V, n, zero, Z, n); /* Z = P⁻¹ */
     if (dP)
         for (int j = 0; j < n; j++)
             for (int i = 0; i < n; i++)
                 E(Ph, n, i, j) = (T)((E(dP, n, i, j) + CONJ(E(dP, n, j, i))) * 0.5);
     if (dW)
-        FN(gemm)('C', 'N', n, n, m, one, W, m, dW, m, zero, M, n);
+        FN(gemm)('C', 'N', n, n, m, one, W, m, dW, m, zero, K, n);
+    memcpy(M, K, nn * sizeof(T));
     if (dP)
         FN(gemm)('N', 'N', n, n, n, mone, Ph, n, P, n, one, M, n);
     for (int j = 0; j < n; j++) /* C = M − Mᴴ */
@@ -830,14 +832,15 @@ static int FN(polar_pullback)(const T *W, int m, int n, const T *V, const RT *S,
     FN(gemm)('N', 'C', n, n, n, one, M, n, V, n, zero, C, n); /* X */
     for (size_t i = 0; i < nn; i++)
         C[i] += Ph[i];
-    FN(gemm)('N', 'N', m, n, n, one, W, m, C, n, one, dA, m);
-    if (dW) {
-        FN(gemm)('N', 'N', m, n, n, one, dW, m, Z, n, zero, G, m); /* ΔW·P⁻¹ */
-        FN(gemm)('C', 'N', n, n, m, one, W, m, G, m, zero, M, n);
-        FN(gemm)('N', 'N', m, n, n, mone, W, m, M, n, one, G, m);
-        for (size_t i = 0; i < (size_t)m * n; i++)
-            dA[i] += G[i];
+    if (tall) { /* Z = P⁻¹ (pseudo-inverse past tol); C −= K·P⁻¹; ΔA += ΔW·P⁻¹ */
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < n; i++)
+                E(M, n, i, j) = (T)(fabs((double)S[j]) >= tol ? E(V, n, i, j) / S[j] : 0);
+        FN(gemm)('N', 'C', n, n, n, one, M, n, V, n, zero, Z, n);
+        FN(gemm)('N', 'N', n, n, n, mone, K, n, Z, n, one, C, n);
+        FN(gemm)('N', 'N', m, n, n, one, dW, m, Z, n, one, dA, m);
     }
+    FN(gemm)('N', 'N', m, n, n, one, W, m, C, n, one, dA, m);
     rc = 0;
 out:
     free(P);
@@ -845,7 +848,7 @@ out:
     free(C);
     free(Z);
     free(Ph);
-    free(G);
+    free(K);
     return rc;
 }
 
