@@ -241,13 +241,16 @@ static bool receive_fds(pb_conn_t *c, uint64_t from, uint64_t to)
     return true;
 }
 
-/* The fds of the message at stream offsets [s, e).  The kernel stops a
- * read after the bytes that carried fds (and glues earlier bytes before
- * them), so the fds of one read came with the last sendmsg whose bytes
- * that read began: a message beginning in [from, to), the last one to.
- * A held fd whose bytes end by e is this message's when it begins in
- * them; otherwise no message began there (the read fell inside a message)
- * or those that did were served without it: stray, and closed. */
+/* The fds of the message at stream offsets [s, e).  The kernel glues the
+ * bytes of several sendmsg calls into one read but ends the read after
+ * bytes that carried fds, so the fds of a read [from, to) came with its
+ * last sendmsg, and that sendmsg began the last message that begins in
+ * [from, to) (when a client sends one request per sendmsg, as it should):
+ * the message that begins there and ends at or past to.  So a held fd
+ * whose read ends by e is this message's when s lies in its read;
+ * otherwise no message began in that read (it fell inside a message) or
+ * the last one that did was served before: stray, and closed.  An fd
+ * whose read ends past e waits for a later message. */
 static void claim_fds(pb_conn_t *c, uint64_t s, uint64_t e)
 {
     int keep = 0;
