@@ -286,7 +286,7 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
     }
     if (p == MAP_FAILED) {
         int e = errno;
-        rc = e == ENOMEM ? pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "size", "cannot map %llu bytes: %s",
+        rc = e == ENOMEM ? pb_err_set(err, PB_ERESOURCE_EXHAUSTED, NULL, "cannot map %llu bytes: %s",
                                       (unsigned long long)size, strerror(e))
                          : pb_err_set(err, PB_EINVALID_ARGUMENT, NULL, "cannot map the file: %s", strerror(e));
         goto out;
