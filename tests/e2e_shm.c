@@ -1329,6 +1329,47 @@ static void sigbus(void **state)
     pb_client_close(other);
 }
 
+/* A SIGBUS that is not about a buffer (here one sent with kill, which has
+ * no fault address) is not swallowed: the handler puts the previous
+ * action back and raises it again, and the daemon dies of it.  Under a
+ * sanitizer the previous action is the sanitizer's, which reports and
+ * aborts: SIGABRT then. */
+static void foreign_sigbus(void **state)
+{
+    (void)state;
+    char path[100];
+    snprintf(path, sizeof path, "%s/other.sock", dir);
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl(daemon_bin, daemon_bin, "--socket", path, "--log-level", "error", "--workers", "1", (char *)NULL);
+        _exit(127);
+    }
+    int i = 0;
+    while (try_connect(path) != 0 && i++ < 500)
+        sleep_ms(10);
+    pb_client_t *c = NULL;
+    assert_int_equal(pb_client_connect(path, &c), 0);
+    shm_t s = shm_new(4096);
+    reg_ok(c, s.fd, s.size); /* the handler is in place from here on */
+    assert_int_equal(kill(pid, SIGBUS), 0);
+    int st = 0;
+    pid_t got = 0;
+    for (int t = 0; t < 500 && got == 0; t++) {
+        got = waitpid(pid, &st, WNOHANG);
+        if (got == 0)
+            sleep_ms(10);
+    }
+    if (got == 0) { /* swallowed: the daemon lives on */
+        kill(pid, SIGKILL);
+        waitpid(pid, &st, 0);
+        fail_msg("the daemon survived a SIGBUS that was not about a buffer");
+    }
+    assert_true(WIFSIGNALED(st));
+    assert_true(WTERMSIG(st) == SIGBUS || WTERMSIG(st) == SIGABRT);
+    pb_client_close(c);
+    shm_free(&s);
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -1381,7 +1422,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(read_only),           cmocka_unit_test(limits),
         cmocka_unit_test(other_connection),    cmocka_unit_test(close_unmaps),
         cmocka_unit_test(stray_fds),           cmocka_unit_test(unregister_in_flight),
-        cmocka_unit_test(sigbus),
+        cmocka_unit_test(sigbus),              cmocka_unit_test(foreign_sigbus),
     };
     return cmocka_run_group_tests_name("e2e.shm", tests, setup, teardown);
 }
