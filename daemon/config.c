@@ -101,6 +101,8 @@ static const struct key {
     {"max-tape-bytes-per-uid", K_SIZE, offsetof(pb_config_t, max_tape_bytes_per_uid), 0, true},
     {"max-tapes-per-connection", K_SIZE, offsetof(pb_config_t, max_tapes_per_connection), 1, true},
     {"max-inflight-per-connection", K_SIZE, offsetof(pb_config_t, max_inflight_per_connection), 1, true},
+    {"max-buffers-per-connection", K_SIZE, offsetof(pb_config_t, max_buffers_per_connection), 0, true},
+    {"max-buffer-bytes-per-connection", K_SIZE, offsetof(pb_config_t, max_buffer_bytes_per_connection), 0, true},
     {"drain-timeout", K_SECONDS, offsetof(pb_config_t, drain_timeout_s), 0, true},
     {"log-level", K_LOG, offsetof(pb_config_t, log_level), 0, true},
 };
@@ -118,6 +120,8 @@ static void defaults(pb_config_t *c)
         .max_tape_bytes_per_uid = (size_t)4 << 30,
         .max_tapes_per_connection = 65536,
         .max_inflight_per_connection = 1024,
+        .max_buffers_per_connection = 64,
+        .max_buffer_bytes_per_connection = (size_t)64 << 30,
         .drain_timeout_s = 30,
         .log_level = PB_LOG_INFO,
     };
@@ -343,6 +347,10 @@ static const char usage[] =
     "  --max-tapes-per-connection N    tapes created by one connection (default 65536)\n"
     "  --max-inflight-per-connection N requests in flight per connection before the\n"
     "                                  daemon stops reading from it (default 1024)\n"
+    "  --max-buffers-per-connection N  shared-memory buffers registered by one connection\n"
+    "                                  (default 64; 0 turns register_buffer off)\n"
+    "  --max-buffer-bytes-per-connection N\n"
+    "                                  their sizes summed: address space the daemon maps (default 64G)\n"
     "  --drain-timeout S               seconds to finish in-flight work on SIGTERM (default 30)\n"
     "  --log-level LEVEL               error, warning, notice, info, debug (default info)\n"
     "  --version                       print the version and exit\n"
@@ -363,8 +371,10 @@ static const struct option opts[] = {
     {"max-tape-bytes-per-uid", required_argument, 0, 6},
     {"max-tapes-per-connection", required_argument, 0, 7},
     {"max-inflight-per-connection", required_argument, 0, 8},
-    {"drain-timeout", required_argument, 0, 9},
-    {"log-level", required_argument, 0, 10},
+    {"max-buffers-per-connection", required_argument, 0, 9},
+    {"max-buffer-bytes-per-connection", required_argument, 0, 10},
+    {"drain-timeout", required_argument, 0, 11},
+    {"log-level", required_argument, 0, 12},
     {"config", required_argument, 0, O_CONFIG},
     {"version", no_argument, 0, O_VERSION},
     {"help", no_argument, 0, O_HELP},

@@ -35,6 +35,8 @@ typedef struct pb_config {
     size_t max_tape_bytes_per_uid;
     size_t max_tapes_per_connection;
     size_t max_inflight_per_connection;
+    size_t max_buffers_per_connection;       /* shared-memory buffers registered at once */
+    size_t max_buffer_bytes_per_connection;  /* their registered sizes summed (address space mapped) */
     double drain_timeout_s;
     int log_level;
     /* Where the settings came from: the file that was read ("" when the

@@ -1,6 +1,8 @@
-/* Connections: reading and framing, back-pressure, batched replies. */
+/* Connections: reading and framing, passed fds, back-pressure, batched
+ * replies. */
 #define _GNU_SOURCE /* struct ucred */
 #include <errno.h>
+#include <fcntl.h>
 #include <stdlib.h>
 #ifdef __GLIBC__
 #include <malloc.h>
@@ -8,6 +10,7 @@
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include "log.h"
 #include "rpc.h"
@@ -34,6 +37,7 @@ void pb_conn_unref(pb_conn_t *c)
     if (--c->refs > 0)
         return;
     bool trim = c->held_max >= TRIM_AFTER;
+    pb_buffers_destroy(&c->buffers); /* emptied at close already; this frees the table */
     free(c->buf);
     msgpack_sbuffer_destroy(&c->obuf);
     msgpack_zone_destroy(&c->zone);
@@ -86,6 +90,12 @@ void pb_conn_close(pb_conn_t *c)
     pb_log(PB_LOG_INFO, "connection %llu closed (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
            (int)c->pid);
     pb_rpc_conn_closed(c);
+    /* Its buffers are unmapped now, or when the last request in flight
+     * that uses one ends. */
+    pb_buffers_destroy(&c->buffers);
+    for (int i = 0; i < c->nfds; i++)
+        close(c->fds[i].fd);
+    c->nfds = 0;
     unlink_conn(c);
     uv_close((uv_handle_t *)&c->pipe, on_close);
     pb_server_maybe_finish(c->srv);
@@ -168,6 +178,104 @@ static pb_storage_t *take_message(pb_conn_t *c, size_t n)
 static void mark_dirty(pb_conn_t *c);
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b);
 
+/* ---- passed fds (server.h) ------------------------------------------------ */
+
+static void free_handle(uv_handle_t *h)
+{
+    free(h);
+}
+
+/* The oldest fd libuv holds for c, or -1 when it was lost (closed).
+ *
+ * The connection's pipe is opened with ipc=1, so libuv reads it with
+ * recvmsg and queues the SCM_RIGHTS fds that come with the bytes (on Unix
+ * ipc adds nothing to the byte stream); it hands them out only through
+ * uv_accept into a pipe, tcp or udp handle.  A memfd is none of those, but
+ * uv_accept into a pipe handle only adopts the number without looking at
+ * it: adopt it in a throwaway handle, dup it out, and close the handle,
+ * which closes the original.  libuv leaves 0..2 open when it closes a
+ * handle, so an fd that got one of those numbers is closed here. */
+static int adopt_fd(pb_conn_t *c, bool *oom)
+{
+    uv_pipe_t *tmp = malloc(sizeof *tmp);
+    if (tmp == NULL || uv_pipe_init(c->srv->loop, tmp, 0) != 0) {
+        free(tmp);
+        *oom = true;
+        return -1;
+    }
+    int mine = -1;
+    uv_os_fd_t fd;
+    if (uv_accept((uv_stream_t *)&c->pipe, (uv_stream_t *)tmp) == 0 && uv_fileno((uv_handle_t *)tmp, &fd) == 0) {
+        mine = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+        if (mine < 0)
+            pb_log(PB_LOG_WARNING, "connection %llu: a passed file descriptor was dropped: %s",
+                   (unsigned long long)c->id, strerror(errno));
+        if (fd <= STDERR_FILENO)
+            close(fd);
+    }
+    uv_close((uv_handle_t *)tmp, free_handle);
+    return mine;
+}
+
+/* Take the fds that came with the bytes [from, to) of the stream.  Called
+ * from the read callback, while c is reading: uv_accept restarts reading
+ * when its queue empties, which is then a no-op.  False when out of memory
+ * (the fds left in libuv's queue could no longer be told apart). */
+static bool receive_fds(pb_conn_t *c, uint64_t from, uint64_t to)
+{
+    while (uv_pipe_pending_count(&c->pipe) > 0) {
+        bool oom = false;
+        int fd = adopt_fd(c, &oom);
+        if (oom)
+            return false;
+        if (fd < 0)
+            continue;
+        if (c->nfds == PB_CONN_MAX_FDS) {
+            pb_log(PB_LOG_NOTICE, "connection %llu: more than %d passed file descriptors wait for their "
+                   "messages; closing the newest", (unsigned long long)c->id, PB_CONN_MAX_FDS);
+            close(fd);
+            continue;
+        }
+        c->fds[c->nfds++] = (struct pb_conn_fd){fd, from, to};
+    }
+    return true;
+}
+
+/* The fds of the message at stream offsets [s, e).  The kernel glues the
+ * bytes of several sendmsg calls into one read but ends the read after
+ * bytes that carried fds, so the fds of a read [from, to) came with its
+ * last sendmsg, and that sendmsg began the last message that begins in
+ * [from, to) (when a client sends one request per sendmsg, as it should):
+ * the message that begins there and ends at or past to.  So a held fd
+ * whose read ends by e is this message's when s lies in its read;
+ * otherwise no message began in that read (it fell inside a message) or
+ * the last one that did was served before: stray, and closed.  An fd
+ * whose read ends past e waits for a later message. */
+static void claim_fds(pb_conn_t *c, uint64_t s, uint64_t e)
+{
+    int keep = 0;
+    c->msg_nfds = 0;
+    for (int i = 0; i < c->nfds; i++) {
+        struct pb_conn_fd f = c->fds[i];
+        if (f.to > e)
+            c->fds[keep++] = f;
+        else if (f.from <= s && s < f.to)
+            c->msg_fds[c->msg_nfds++] = f.fd;
+        else
+            close(f.fd);
+    }
+    c->nfds = keep;
+}
+
+/* Close the fds the message was given and no method kept. */
+static void release_msg_fds(pb_conn_t *c)
+{
+    for (int i = 0; i < c->msg_nfds; i++)
+        if (c->msg_fds[i] >= 0)
+            close(c->msg_fds[i]);
+    c->msg_nfds = 0;
+}
+
 static void parse_error(pb_conn_t *c, const char *why)
 {
     pb_err_t err;
@@ -218,12 +326,16 @@ void pb_conn_process(pb_conn_t *c)
             late = c->drain_left < n;
             c->drain_left = late ? 0 : c->drain_left - n;
         }
+        claim_fds(c, c->taken, c->taken + n);
         pb_storage_t *msg = take_message(c, n);
         if (msg == NULL) {
+            release_msg_fds(c);
             parse_error(c, "out of memory for a message");
             break;
         }
+        c->taken += n;
         pb_rpc_message(c, msg, late);
+        release_msg_fds(c);
         pb_storage_unref(msg);
     }
     note_held(c);
@@ -251,6 +363,13 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
         pb_conn_close(c);
         return;
     }
+    if (nread > 0 && uv_pipe_pending_count(&c->pipe) > 0 && !receive_fds(c, c->rx, c->rx + (uint64_t)nread)) {
+        pb_log(PB_LOG_WARNING, "connection %llu: out of memory for passed file descriptors; closing it",
+               (unsigned long long)c->id);
+        pb_conn_close(c);
+        return;
+    }
+    c->rx += (uint64_t)nread;
     c->len += (size_t)nread;
     pb_conn_process(c);
 }
@@ -294,6 +413,9 @@ void pb_conn_last_read(pb_conn_t *c)
             continue;
         if (n <= 0)
             break;
+        /* recv without room for ancillary data: the kernel closes any fds
+         * these bytes carried; what they ask is refused anyway. */
+        c->rx += (uint64_t)n;
         c->len += (size_t)n;
         left -= (size_t)n;
         pb_conn_process(c);
@@ -311,7 +433,9 @@ void pb_conn_accept(pb_server_t *s)
     c->id = ++s->next_conn_id;
     msgpack_sbuffer_init(&c->obuf);
     msgpack_zone_init(&c->zone, 4096);
-    uv_pipe_init(s->loop, &c->pipe, 0);
+    pb_buffers_init(&c->buffers);
+    /* ipc: read with recvmsg, keeping the fds register_buffer passes. */
+    uv_pipe_init(s->loop, &c->pipe, 1);
     c->pipe.data = c;
     if (uv_accept((uv_stream_t *)&s->listener, (uv_stream_t *)&c->pipe) != 0) {
         uv_close((uv_handle_t *)&c->pipe, on_close);

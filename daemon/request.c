@@ -185,11 +185,120 @@ static int parse_wrt(pb_call_t *c, const msgpack_object *w, pb_err_t *err)
     return 0;
 }
 
-int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_storage_t *msg, pb_call_kind_t kind,
-                    pb_call_t *c, pb_call_extra_t *x, pb_err_t *err)
+int pb_request_accumulate(const msgpack_object *params, bool *acc, pb_err_t *err)
 {
-    static const char *const k_fwd[] = {"op", "inputs", "options", "device", "order", NULL};
-    static const char *const k_aug[] = {"op", "inputs", "options", "device", "order", "wrt", "scope", "ttl_s", NULL};
+    const msgpack_object *a = pb__obj_get(params, "accumulate");
+    *acc = false;
+    if (a == NULL)
+        return 0;
+    if (a->type != MSGPACK_OBJECT_BOOLEAN)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "accumulate", "accumulate must be true or false");
+    *acc = a->via.boolean;
+    return 0;
+}
+
+void pb_into_clear(pb_into_t *v, int n)
+{
+    for (int i = 0; i < n; i++) {
+        pb_storage_unref(v[i].storage);
+        memset(&v[i], 0, sizeof v[i]);
+    }
+}
+
+int pb_request_into(const msgpack_object *into, const pb_resolver_t *res, const char *const *names, int n,
+                    unsigned avail, const pb_tensor_t *meta, const char *of, pb_into_t *out, pb_err_t *err)
+{
+    if (into == NULL)
+        return 0;
+    if (into->type != MSGPACK_OBJECT_MAP)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "into", "into must be a map from %s names to {buffer, offset}",
+                          of);
+    for (uint32_t i = 0; i < into->via.map.size; i++) {
+        const msgpack_object *k = &into->via.map.ptr[i].key, *v = &into->via.map.ptr[i].val;
+        int idx = -1;
+        for (int j = 0; j < n && idx < 0 && k->type == MSGPACK_OBJECT_STR; j++)
+            if (pb__obj_is_str(k, names[j]))
+                idx = j;
+        int kl = k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1;
+        const char *kp = k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?";
+        if (idx < 0)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "into", "into names '%.*s', which is no %s here", kl, kp,
+                              of);
+        if (!(avail & (1u << idx)))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "into",
+                              "into names %s, but no %s %s comes back here (not in the tape's wrt)", names[idx], of,
+                              names[idx]);
+        char what[64];
+        join(what, sizeof what, "into.", names[idx]);
+        if (out[idx].storage)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s given twice", what);
+        if (v->type != MSGPACK_OBJECT_MAP)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s must be {buffer, offset}", what);
+        for (uint32_t j = 0; j < v->via.map.size; j++) {
+            const msgpack_object *vk = &v->via.map.ptr[j].key;
+            if (!pb__obj_is_str(vk, "buffer") && !pb__obj_is_str(vk, "offset"))
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s must be {buffer, offset}, nothing else", what);
+        }
+        size_t room;
+        if (!pb_shape_count(meta[idx].rank, meta[idx].shape, pb_dtype_size(meta[idx].dtype), NULL, &room))
+            return pb_err_set(err, PB_EINTERNAL, what, "%s: the result's size overflows", what);
+        pb_into_t t = {0};
+        int rc = pb_buffer_view(res, pb__obj_get(v, "buffer"), pb__obj_get(v, "offset"), room,
+                                pb_dtype_size(meta[idx].dtype), true, what, &t.storage, &t.offset, &t.buffer, err);
+        if (rc)
+            return rc;
+        t.room = room;
+        out[idx] = t;
+    }
+    /* Two results written over each other would leave whichever came
+     * last: refuse it rather than define an order. */
+    for (int a = 0; a < n; a++)
+        for (int b = a + 1; b < n; b++) {
+            const pb_into_t *x = &out[a], *y = &out[b];
+            if (x->storage && x->storage == y->storage && x->room && y->room && x->offset < y->offset + y->room &&
+                y->offset < x->offset + x->room)
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, "into", "into.%s and into.%s overlap in buffer %llu",
+                                  names[a], names[b], (unsigned long long)x->buffer);
+        }
+    return 0;
+}
+
+/* One body for the real component types: complex values add as their
+ * (re, im) pairs. */
+#define ADD_INTO(T, dst, src, bytes)                                                                                  \
+    do {                                                                                                               \
+        T *d_ = (T *)(dst);                                                                                            \
+        const T *s_ = (const T *)(src);                                                                                \
+        size_t n_ = (bytes) / sizeof(T);                                                                               \
+        for (size_t i_ = 0; i_ < n_; i_++)                                                                             \
+            d_[i_] += s_[i_];                                                                                          \
+    } while (0)
+
+int pb_into_store(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb_err_t *err)
+{
+    size_t bytes = pb_tensor_bytes(t);
+    if (bytes > in->room)
+        return pb_err_set(err, PB_EINTERNAL, NULL, "a result of %zu bytes is larger than the %zu checked in buffer %llu",
+                          bytes, in->room, (unsigned long long)in->buffer);
+    if (bytes == 0)
+        return 0;
+    char *dst = (char *)in->storage->ptr + in->offset;
+    const void *src = pb_tensor_data(t);
+    if (!accumulate)
+        memmove(dst, src, bytes); /* a result never aliases a buffer, but memmove costs nothing more */
+    else if (t->dtype == PB_F32 || t->dtype == PB_C64)
+        ADD_INTO(float, dst, src, bytes);
+    else
+        ADD_INTO(double, dst, src, bytes);
+    return 0;
+}
+
+int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_storage_t *msg, const pb_resolver_t *res,
+                    pb_call_kind_t kind, pb_call_t *c, pb_call_extra_t *x, pb_err_t *err)
+{
+    static const char *const k_fwd[] = {"op", "inputs", "options", "device", "order", "into", "accumulate", NULL};
+    static const char *const k_aug[] = {"op",    "inputs", "options", "device",     "order", "into",
+                                        "accumulate", "wrt", "scope", "ttl_s", NULL};
     static const char *const k_chk[] = {"op", "inputs", "options", "device", "wrt", "seed", NULL};
     int rc = pb_request_check_keys(params, kind == PB_CALL_FORWARD ? k_fwd : kind == PB_CALL_AUGMENTED ? k_aug : k_chk, err);
     if (rc)
@@ -217,7 +326,7 @@ int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_sto
         join(what, sizeof what, "inputs.", op->inputs[idx].name);
         if (c->in[idx].storage)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "input %s given twice", op->inputs[idx].name);
-        if ((rc = pb_tensor_decode(&in->via.map.ptr[i].val, msg, what, &c->in[idx], err)))
+        if ((rc = pb_tensor_decode_with(&in->via.map.ptr[i].val, msg, res, what, &c->in[idx], err)))
             return rc;
     }
     int first = -1;
@@ -272,11 +381,27 @@ int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_sto
     if (kind != PB_CALL_FORWARD && (rc = parse_wrt(c, pb__obj_get(params, "wrt"), err)))
         return rc;
     c->taped = kind != PB_CALL_FORWARD;
+    if (kind != PB_CALL_CHECK) {
+        bool acc;
+        if ((rc = pb_request_accumulate(params, &acc, err)))
+            return rc;
+        if (acc)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "accumulate",
+                              "accumulate is reverse's (gradients added into their into buffers); the outputs of %s "
+                              "always replace what their into buffer held",
+                              kind == PB_CALL_FORWARD ? "forward" : "augmented_forward");
+    }
     if ((rc = op->validate(c, err)))
+        return rc;
+    if (kind != PB_CALL_CHECK &&
+        (rc = pb_request_into(pb__obj_get(params, "into"), res, op->outputs, op->noutputs, (1u << op->noutputs) - 1,
+                              c->out_meta, "output", x->into, err)))
         return rc;
     size_t total = 0;
     for (int i = 0; i < op->noutputs; i++) {
         size_t b;
+        if (x->into[i].storage)
+            continue;
         pb_shape_count(c->out_meta[i].rank, c->out_meta[i].shape, pb_dtype_size(c->out_meta[i].dtype), NULL, &b);
         total += b;
     }
@@ -311,8 +436,8 @@ int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_sto
     return 0;
 }
 
-int pb_request_cotangents(const pb_tapedata_t *t, const msgpack_object *cots, pb_storage_t *msg, pb_tensor_t *cot,
-                          pb_err_t *err)
+int pb_request_cotangents(const pb_tapedata_t *t, const msgpack_object *cots, pb_storage_t *msg,
+                          const pb_resolver_t *res, pb_tensor_t *cot, pb_err_t *err)
 {
     const pb_op_t *op = t->op;
     if (cots == NULL)
@@ -330,7 +455,7 @@ int pb_request_cotangents(const pb_tapedata_t *t, const msgpack_object *cots, pb
         join(what, sizeof what, "cotangents.", op->outputs[idx]);
         if (cot[idx].storage)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "cotangent %s given twice", op->outputs[idx]);
-        int rc = pb_tensor_decode(&cots->via.map.ptr[i].val, msg, what, &cot[idx], err);
+        int rc = pb_tensor_decode_with(&cots->via.map.ptr[i].val, msg, res, what, &cot[idx], err);
         if (rc)
             return rc;
         const pb_tensor_t *m = &t->out_meta[idx];

@@ -6,9 +6,15 @@
  * no allocation beyond the tensors they decode, so the loop thread and
  * the fuzz target (tests/fuzz) run exactly the same checks.
  *
+ * Tensors may also lie in the connection's shared-memory buffers (contract
+ * section 6), found through a resolver (codec.h), and results may be sent
+ * into such buffers instead of the reply (pb_into_t).
+ *
  * Ownership: tensors decoded into c->in[] or cot[] hold references on msg
- * (or copies) and belong to the caller, also when an error is returned;
- * pb_call_clear / pb_tensor_clear drop them. */
+ * (or copies, or on a buffer's mapping) and belong to the caller, also when
+ * an error is returned; pb_call_clear / pb_tensor_clear drop them.  Each
+ * pb_into_t with a storage holds a reference on that buffer's mapping,
+ * also the caller's; pb_into_clear drops them. */
 #ifndef PB_REQUEST_H
 #define PB_REQUEST_H
 
@@ -22,26 +28,57 @@
 
 typedef enum pb_call_kind { PB_CALL_FORWARD, PB_CALL_AUGMENTED, PB_CALL_CHECK } pb_call_kind_t;
 
+/* Where one result goes instead of the reply: into {buffer, offset}. */
+typedef struct pb_into {
+    pb_storage_t *storage; /* a reference on the buffer's mapping; NULL: the result goes in the reply */
+    uint64_t buffer;       /* the buffer's id, for the reply */
+    size_t offset;         /* byte offset of element 0 in the buffer */
+    size_t room;           /* the bytes checked in the buffer: the most the result may take */
+} pb_into_t;
+
 /* What a call's params say besides the call itself. */
 typedef struct pb_call_extra {
     bool peer_scope;    /* augmented_forward: scope "peer" */
     uint64_t ttl_ms;    /* augmented_forward: ttl_s, or the default */
     uint64_t seed;      /* check */
-    size_t reply_bytes; /* the outputs' bytes */
+    size_t reply_bytes; /* the bytes of the outputs that go in the reply */
+    pb_into_t into[PB_MAX_IO]; /* forward, augmented_forward: by output index */
 } pb_call_extra_t;
 
 /* Every key of params must be one of allowed (NULL-terminated). */
 int pb_request_check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err);
 /* params' "order": 'C' (absent) or 'F'. */
 int pb_request_order(const msgpack_object *params, char *order, pb_err_t *err);
-/* {op, inputs, options?, device?, order?, wrt, scope?, ttl_s?, seed?} as
- * kind allows, into c (zeroed by the caller): decoded, the op's validate
- * run, the outputs' size checked against cfg's max_message_bytes. */
-int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_storage_t *msg, pb_call_kind_t kind,
-                    pb_call_t *c, pb_call_extra_t *x, pb_err_t *err);
+/* {op, inputs, options?, device?, order?, into?, accumulate?, wrt, scope?,
+ * ttl_s?, seed?} as kind allows, into c and x (both zeroed by the caller):
+ * decoded (buffers through res; NULL: none), the op's validate run, the
+ * into targets checked against the outputs' shapes, the size of the
+ * outputs that go in the reply checked against cfg's max_message_bytes.
+ * accumulate is reverse's: true here is invalid_argument. */
+int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_storage_t *msg, const pb_resolver_t *res,
+                    pb_call_kind_t kind, pb_call_t *c, pb_call_extra_t *x, pb_err_t *err);
 /* cots (NULL: none) against the outputs of tape t: cot[] by output index,
  * dtype and shape checked. */
-int pb_request_cotangents(const pb_tapedata_t *t, const msgpack_object *cots, pb_storage_t *msg, pb_tensor_t *cot,
-                          pb_err_t *err);
+int pb_request_cotangents(const pb_tapedata_t *t, const msgpack_object *cots, pb_storage_t *msg,
+                          const pb_resolver_t *res, pb_tensor_t *cot, pb_err_t *err);
+/* into (NULL: absent): a map from result names to {buffer, offset}.
+ * names[k] (n of them) are the names a result may have, avail the bits of
+ * those that give a result here, meta[k] its dtype and shape (for the
+ * truncated factorizations the untruncated shape, an upper bound); `of`
+ * names them in errors ("output", "gradient").  Checked before any math:
+ * every name known and available and given once, its buffer found and
+ * mapped writable, the offset aligned to the element size, meta's bytes
+ * within the registered size, no two targets overlapping.  out[k] by name
+ * index; the references are the caller's, also on error. */
+int pb_request_into(const msgpack_object *into, const pb_resolver_t *res, const char *const *names, int n,
+                    unsigned avail, const pb_tensor_t *meta, const char *of, pb_into_t *out, pb_err_t *err);
+/* params' accumulate (absent: false); invalid_argument unless a bool. */
+int pb_request_accumulate(const msgpack_object *params, bool *acc, pb_err_t *err);
+void pb_into_clear(pb_into_t *v, int n);
+/* Write result t, in its own dtype, shape and order, into its target; with
+ * accumulate, add it elementwise to what is there (Enzyme's shadow
+ * semantics).  Runs on the worker that computed t.  0, or PB_EINTERNAL
+ * when t is larger than the room that was checked. */
+int pb_into_store(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb_err_t *err);
 
 #endif

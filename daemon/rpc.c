@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include "../kernels/check.h"
+#include "buffer.h"
 #include "log.h"
 #include "request.h"
 
@@ -46,6 +47,13 @@ struct pb_req {
     pb_req_t *wnext;
     size_t reply_bytes;   /* forward/augmented_forward: the outputs' bytes */
     size_t conn_reserved; /* counted in conn->reserved: message, then reply */
+    /* into: results written into buffers instead of the reply, by output
+     * index (forward) or wrt index (reverse); into_meta is what was
+     * written (dtype, shape, order; no storage), for the reply. */
+    pb_into_t into[PB_MAX_IO + 2];
+    pb_tensor_t into_meta[PB_MAX_IO + 2];
+    bool accumulate;
+    /* register_buffer: the new id (in handle) */
 };
 
 static void start_reverse(pb_req_t *r, pb_tape_t *t);
@@ -68,6 +76,7 @@ static void req_free(pb_req_t *r)
     unref_all(r->tdata.saved, PB_MAX_SAVED);
     unref_all(r->cot, PB_MAX_IO);
     unref_all(r->grad, PB_MAX_IO + 2);
+    pb_into_clear(r->into, PB_MAX_IO + 2);
     free(r);
 }
 
@@ -141,7 +150,10 @@ static void enc_outputs(pb_req_t *r, pb_out_t *o)
     msgpack_pack_map(&o->pk, (size_t)op->noutputs);
     for (int i = 0; i < op->noutputs; i++) {
         pb_out_str(o, op->outputs[i]);
-        pb_out_tensor(o, &r->call.out[i]);
+        if (r->into[i].storage)
+            pb_out_tensor_in_buffer(o, &r->into_meta[i], r->into[i].buffer, r->into[i].offset);
+        else
+            pb_out_tensor(o, &r->call.out[i]);
     }
 }
 
@@ -172,7 +184,10 @@ static void enc_reverse(pb_req_t *r, pb_out_t *o)
         if (!(wrt & (1u << k)))
             continue;
         pb_out_str(o, op->wrt_names[k]);
-        pb_out_tensor(o, &r->grad[k]);
+        if (r->into[k].storage)
+            pb_out_tensor_in_buffer(o, &r->into_meta[k], r->into[k].buffer, r->into[k].offset);
+        else
+            pb_out_tensor(o, &r->grad[k]);
     }
     if (r->warn.n) {
         pb_out_str(o, "warnings");
@@ -180,6 +195,21 @@ static void enc_reverse(pb_req_t *r, pb_out_t *o)
         for (int i = 0; i < r->warn.n; i++)
             pb_out_str(o, r->warn.text[i]);
     }
+}
+
+static void enc_register(pb_req_t *r, pb_out_t *o)
+{
+    msgpack_pack_map(&o->pk, 1);
+    pb_out_str(o, "buffer");
+    msgpack_pack_uint64(&o->pk, r->handle);
+}
+
+static void enc_unregister(pb_req_t *r, pb_out_t *o)
+{
+    (void)r;
+    msgpack_pack_map(&o->pk, 1);
+    pb_out_str(o, "unregistered");
+    msgpack_pack_true(&o->pk);
 }
 
 static void enc_release(pb_req_t *r, pb_out_t *o)
@@ -244,7 +274,7 @@ static void enc_hello(pb_req_t *r, pb_out_t *o)
     pb_out_str(o, "dtypes");
     pack_dtypes(o, PB_DTYPES_ALL);
     pb_out_str(o, "limits");
-    msgpack_pack_map(&o->pk, 5);
+    msgpack_pack_map(&o->pk, 7);
     pb_out_str(o, "max_message_bytes");
     msgpack_pack_uint64(&o->pk, cfg->max_message_bytes);
     pb_out_str(o, "max_tape_bytes");
@@ -255,6 +285,10 @@ static void enc_hello(pb_req_t *r, pb_out_t *o)
     msgpack_pack_uint64(&o->pk, cfg->max_tapes_per_connection);
     pb_out_str(o, "max_inflight_per_connection");
     msgpack_pack_uint64(&o->pk, cfg->max_inflight_per_connection);
+    pb_out_str(o, "max_buffers_per_connection");
+    msgpack_pack_uint64(&o->pk, cfg->max_buffers_per_connection);
+    pb_out_str(o, "max_buffer_bytes_per_connection");
+    msgpack_pack_uint64(&o->pk, cfg->max_buffer_bytes_per_connection);
 }
 
 static const char *const opt_type_names[] = {"str", "bool", "int", "float", "scalar", "axes", "axes2", "str"};
@@ -333,7 +367,9 @@ static void enc_stats(pb_req_t *r, pb_out_t *o)
     size_t npeers = 0;
     for (size_t i = 0; i < s->tapes.npeers; i++)
         npeers += s->tapes.peers[i].tapes > 0;
-    msgpack_pack_map(&o->pk, 10);
+    size_t nbuf, buf_bytes;
+    pb_shm_totals(&nbuf, &buf_bytes);
+    msgpack_pack_map(&o->pk, 12);
     pb_out_str(o, "tapes");
     msgpack_pack_uint64(&o->pk, s->tapes.count);
     pb_out_str(o, "tape_bytes");
@@ -349,6 +385,10 @@ static void enc_stats(pb_req_t *r, pb_out_t *o)
     pb_out_str(o, "requests_in_flight");
     /* This stats request itself is in flight; it is not counted. */
     msgpack_pack_uint64(&o->pk, s->requests_in_flight - 1);
+    pb_out_str(o, "buffers");
+    msgpack_pack_uint64(&o->pk, nbuf);
+    pb_out_str(o, "buffer_bytes");
+    msgpack_pack_uint64(&o->pk, buf_bytes);
     pb_out_str(o, "uptime_s");
     msgpack_pack_double(&o->pk, (double)(uv_now(s->loop) - s->start_ms) / 1000.0);
     pb_out_str(o, "devices");
@@ -504,10 +544,54 @@ void pb_rpc_sweep(pb_server_t *s)
 
 /* ---- forward, augmented_forward, check ---------------------------------- */
 
+/* Write the results that have an into target into their buffers, on the
+ * thread that computed them, and keep what the reply says of them. */
+static int store_into(pb_req_t *r, pb_tensor_t *res, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (r->into[i].storage == NULL || res[i].storage == NULL)
+            continue;
+        int rc = pb_into_store(&r->into[i], &res[i], r->accumulate, &r->err);
+        if (rc)
+            return rc;
+        r->into_meta[i] = res[i];
+        r->into_meta[i].storage = NULL;
+        r->into_meta[i].offset = 0;
+        pb_tensor_clear(&res[i]);
+    }
+    return 0;
+}
+
+/* A request that read or wrote a buffer the client shrank under it (the
+ * SIGBUS handler put zero pages there) computed garbage: fail it.  The
+ * buffers it touched are the mappings its inputs, cotangents and into
+ * targets view (a mapping is aligned for its dtype, so no input of it was
+ * replaced by an aligned copy). */
+static int check_broken(pb_req_t *r)
+{
+    const pb_storage_t *seen[3 * PB_MAX_IO + 2];
+    int n = 0;
+    for (int i = 0; i < PB_MAX_IO; i++) {
+        seen[n++] = r->call.in[i].storage;
+        seen[n++] = r->cot[i].storage;
+    }
+    for (int i = 0; i < PB_MAX_IO + 2; i++)
+        seen[n++] = r->into[i].storage;
+    for (int i = 0; i < n; i++)
+        if (pb_shm_broken(seen[i]))
+            return pb_err_set(&r->err, PB_EINVALID_ARGUMENT, NULL,
+                              "buffer %llu shrank below its registered size while this request used it; its "
+                              "contents are lost: unregister it",
+                              (unsigned long long)pb_shm_id(seen[i]));
+    return 0;
+}
+
 static void run_forward(pb_job_t *j)
 {
     pb_req_t *r = (pb_req_t *)j;
     r->rc = pb_op_run_forward(&r->call, r->call.taped ? &r->tdata : NULL, &r->err);
+    if (r->rc == 0)
+        r->rc = store_into(r, r->call.out, r->call.op->noutputs);
 }
 
 static void run_check(pb_job_t *j)
@@ -521,6 +605,9 @@ static void forward_done(pb_job_t *j)
     pb_req_t *r = (pb_req_t *)j;
     pb_server_t *s = r->srv;
     pb_conn_t *c = r->conn;
+    int broken = check_broken(r);
+    if (broken)
+        r->rc = broken;
     if (!r->call.taped || r->rc) {
         if (r->call.taped) {
             pb_tapes_unreserve(&s->tapes, c->uid, r->reserved);
@@ -581,7 +668,9 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
         return fail(r, PB_ESHUTTING_DOWN);
     }
     pb_call_extra_t x = {0};
-    int rc = pb_request_call(&s->cfg, params, msg, kind, &r->call, &x, &r->err);
+    pb_resolver_t res = pb_buffers_resolver(&c->buffers);
+    int rc = pb_request_call(&s->cfg, params, msg, &res, kind, &r->call, &x, &r->err);
+    memcpy(r->into, x.into, sizeof x.into); /* the references are r's now, freed with it */
     if (rc)
         return fail(r, rc);
     r->peer_scope = x.peer_scope;
@@ -620,6 +709,8 @@ static void run_reverse(pb_job_t *j)
 {
     pb_req_t *r = (pb_req_t *)j;
     r->rc = pb_op_run_reverse(&r->tape->data, r->cot, r->grad, r->order, &r->warn, &r->err);
+    if (r->rc == 0)
+        r->rc = store_into(r, r->grad, r->tape->data.op->nwrt);
 }
 
 static void reverse_done(pb_job_t *j)
@@ -627,6 +718,11 @@ static void reverse_done(pb_job_t *j)
     pb_req_t *r = (pb_req_t *)j;
     pb_server_t *s = r->srv;
     pb_tape_t *t = r->tape;
+    /* Failed, so the tape is kept: the client may retry with a sound
+     * buffer. */
+    int broken = check_broken(r);
+    if (broken)
+        r->rc = broken;
     t->busy = false;
     r->tape = NULL;
     if (t->doomed) {
@@ -660,9 +756,14 @@ static void start_reverse(pb_req_t *r, pb_tape_t *t)
 
 static void m_reverse(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
 {
-    static const char *const keys[] = {"tape", "cotangents", "keep", "order", NULL};
+    static const char *const keys[] = {"tape", "cotangents", "keep", "order", "into", "accumulate", NULL};
     pb_server_t *s = r->srv;
     int rc = pb_request_check_keys(params, keys, &r->err);
+    if (rc == 0)
+        rc = pb_request_accumulate(params, &r->accumulate, &r->err);
+    if (rc == 0 && r->accumulate && pb__obj_get(params, "into") == NULL)
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "accumulate",
+                        "accumulate adds gradients into their into buffers, and this reverse has no into");
     if (rc == 0)
         rc = get_handle(params, &r->handle, &r->err);
     if (rc == 0)
@@ -682,15 +783,31 @@ static void m_reverse(pb_req_t *r, const msgpack_object *params, pb_storage_t *m
                    "of another connection, or never issued)", (unsigned long long)r->handle);
         return fail(r, PB_EUNKNOWN_TAPE);
     }
-    if ((rc = pb_request_cotangents(&t->data, pb__obj_get(params, "cotangents"), msg, r->cot, &r->err)))
+    pb_resolver_t res = pb_buffers_resolver(&r->conn->buffers);
+    if ((rc = pb_request_cotangents(&t->data, pb__obj_get(params, "cotangents"), msg, &res, r->cot, &r->err)))
         return fail(r, rc);
-    /* The gradients are shaped like the inputs they are taken for (alpha
-     * and beta: a scalar each, not worth counting). */
+    /* Gradients have their input's dtype and shape; those of alpha and
+     * beta are scalars of the call's dtype.  All come in the order asked. */
+    const pb_op_t *op = t->data.op;
+    pb_tensor_t gmeta[PB_MAX_IO + 2];
+    memset(gmeta, 0, sizeof gmeta);
+    for (int k = 0; k < op->nwrt; k++) {
+        if (k < op->ninputs)
+            gmeta[k] = t->data.in_meta[k];
+        else
+            gmeta[k].dtype = t->data.dtype;
+        gmeta[k].order = r->order;
+    }
+    if ((rc = pb_request_into(pb__obj_get(params, "into"), &res, op->wrt_names, op->nwrt, t->data.wrt, gmeta,
+                              "gradient", r->into, &r->err)))
+        return fail(r, rc);
+    /* The gradients that go in the reply (alpha and beta: a scalar each,
+     * not worth counting). */
     size_t grads = 0;
-    for (int k = 0; k < t->data.op->ninputs; k++) {
+    for (int k = 0; k < op->ninputs; k++) {
         const pb_tensor_t *m = &t->data.in_meta[k];
         size_t b;
-        if ((t->data.wrt & (1u << k)) &&
+        if ((t->data.wrt & (1u << k)) && r->into[k].storage == NULL &&
             pb_shape_count(m->rank, m->shape, pb_dtype_size(m->dtype), NULL, &b))
             grads += b;
     }
@@ -784,13 +901,57 @@ static void m_admin(pb_req_t *r, const msgpack_object *params, bool shutdown)
 static void m_drain(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { (void)m; m_admin(r, p, false); }
 static void m_shutdown(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { (void)m; m_admin(r, p, true); }
 
-static void m_buffer(pb_req_t *r, const msgpack_object *p, pb_storage_t *m)
+/* ---- shared-memory buffers ---------------------------------------------- */
+
+/* The fd came with the request's bytes (conn.c says which fds belong to
+ * which message); mmap and fstat are quick enough for the loop thread. */
+static void m_register(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
 {
-    (void)p;
-    (void)m;
-    pb_err_set(&r->err, PB_EUNKNOWN_METHOD, NULL,
-               "shared-memory buffers (register_buffer, unregister_buffer) are not supported by this daemon yet");
-    fail(r, PB_EUNKNOWN_METHOD);
+    (void)msg;
+    static const char *const keys[] = {"size", NULL};
+    pb_conn_t *c = r->conn;
+    uint64_t size = 0;
+    int rc = pb_request_check_keys(params, keys, &r->err);
+    const msgpack_object *sz = pb__obj_get(params, "size");
+    if (rc == 0 && (!pb__obj_uint(sz, &size) || size == 0))
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "size",
+                        "size must be a positive integer: the bytes to map from the start of the file");
+    if (rc == 0 && r->notify)
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, NULL,
+                        "register_buffer must be a request: a notification could not learn its buffer id");
+    if (rc == 0 && c->msg_nfds == 0)
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, NULL,
+                        "register_buffer needs a file descriptor (a memfd or shm file) sent as SCM_RIGHTS on the "
+                        "same sendmsg as the request, and none came with it");
+    if (rc == 0 && c->msg_nfds > 1)
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, NULL,
+                        "register_buffer takes one file descriptor, and %d came with it", c->msg_nfds);
+    if (rc)
+        return fail(r, rc);
+    int fd = c->msg_fds[0];
+    c->msg_fds[0] = -1; /* ours to close now */
+    rc = pb_buffers_register(&c->buffers, fd, size, r->srv->cfg.max_buffers_per_connection,
+                             r->srv->cfg.max_buffer_bytes_per_connection, &r->handle, &r->err);
+    if (rc)
+        return fail(r, rc);
+    r->encode = enc_register;
+    finish(r);
+}
+
+static void m_unregister(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
+{
+    (void)msg;
+    static const char *const keys[] = {"buffer", NULL};
+    uint64_t id = 0;
+    int rc = pb_request_check_keys(params, keys, &r->err);
+    if (rc == 0 && !pb__obj_uint(pb__obj_get(params, "buffer"), &id))
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "buffer", "buffer must be the id register_buffer returned");
+    if (rc == 0)
+        rc = pb_buffers_unregister(&r->conn->buffers, id, &r->err);
+    if (rc)
+        return fail(r, rc);
+    r->encode = enc_unregister;
+    finish(r);
 }
 
 static const struct method {
@@ -807,8 +968,8 @@ static const struct method {
     {"stats", m_stats},
     {"drain", m_drain},
     {"shutdown", m_shutdown},
-    {"register_buffer", m_buffer},
-    {"unregister_buffer", m_buffer},
+    {"register_buffer", m_register},
+    {"unregister_buffer", m_unregister},
 };
 
 /* ---- envelope ----------------------------------------------------------- */

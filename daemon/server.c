@@ -288,6 +288,8 @@ void pb_server_reload(pb_server_t *s)
     c->max_tape_bytes_per_uid = n.max_tape_bytes_per_uid;
     c->max_tapes_per_connection = n.max_tapes_per_connection;
     c->max_inflight_per_connection = n.max_inflight_per_connection;
+    c->max_buffers_per_connection = n.max_buffers_per_connection;
+    c->max_buffer_bytes_per_connection = n.max_buffer_bytes_per_connection;
     c->drain_timeout_s = n.drain_timeout_s;
     c->log_level = n.log_level;
     memcpy(c->config_file, n.config_file, sizeof c->config_file);

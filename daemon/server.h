@@ -29,11 +29,25 @@
  *   reload      SIGHUP: the config is loaded again and the limits, drain
  *               timeout and log level change in place; connections, tapes
  *               and requests in flight are untouched.
+ *   passed fd   a file descriptor the client sent as SCM_RIGHTS ancillary
+ *               data (register_buffer's memfd).  It belongs to the last
+ *               message that begins in the bytes read together with it:
+ *               the request whose sendmsg carried it, when a client sends
+ *               one request per sendmsg as ours do.  Until that message
+ *               is complete it waits in fds[] (at most PB_CONN_MAX_FDS;
+ *               more are closed); a message other than register_buffer
+ *               closes the fds it owns.
+ *   buffers     the shared-memory buffers this connection registered
+ *               (buffer.h): its own, unusable from any other connection,
+ *               dropped when it closes.
  *
  * Ownership: the server owns its connections.  A connection is freed when
  * its handle's close callback has run and no request refers to it (refs
  * counts the handle and each request).  Replies to a closed connection are
- * dropped.  Everything here runs on the loop thread. */
+ * dropped.  A connection owns the passed fds it holds (closed when it
+ * closes) and its buffer table (whose references it drops when it
+ * closes; requests in flight keep their mappings until they end).
+ * Everything here runs on the loop thread. */
 #ifndef PB_SERVER_H
 #define PB_SERVER_H
 
@@ -45,9 +59,13 @@
 
 #include "../proto/codec.h"
 #include "../proto/wire.h"
+#include "buffer.h"
 #include "config.h"
 #include "pool.h"
 #include "tape.h"
+
+/* Passed fds a connection holds for messages not yet complete. */
+#define PB_CONN_MAX_FDS 16
 
 typedef struct pb_conn {
     uv_pipe_t pipe;
@@ -77,6 +95,18 @@ typedef struct pb_conn {
     msgpack_zone zone;             /* objects of the message being served */
     size_t pending_write;          /* bytes handed to uv_write, not done */
     size_t drain_left;             /* on SIGTERM: bytes still served normally */
+    /* Passed fds (see the glossary).  Stream offsets count every byte
+     * read from the socket since it was accepted. */
+    uint64_t rx;                   /* bytes read so far */
+    uint64_t taken;                /* stream offset of buf[start] */
+    struct pb_conn_fd {
+        int fd;
+        uint64_t from, to;         /* the bytes read with it: [from, to) */
+    } fds[PB_CONN_MAX_FDS];
+    int nfds;
+    int msg_fds[PB_CONN_MAX_FDS];  /* the fds of the message being served; */
+    int msg_nfds;                  /* a method that keeps one sets it to -1 */
+    pb_buffers_t buffers;
 } pb_conn_t;
 
 typedef struct pb_server {

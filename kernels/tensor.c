@@ -131,6 +131,22 @@ pb_storage_t *pb_storage_view(void *ptr, size_t size, void (*release)(void *), v
     return s;
 }
 
+pb_storage_t *pb_storage_wrap(pb_storage_kind_t kind, void *ptr, size_t size, void (*free_fn)(pb_storage_t *),
+                              void *ctx)
+{
+    pb_storage_t *s = malloc(sizeof *s);
+    if (s == NULL)
+        return NULL;
+    atomic_init(&s->refs, 1);
+    s->kind = kind;
+    s->device = (pb_device_t){PB_DEV_CPU, 0};
+    s->ptr = ptr;
+    s->size = size;
+    s->free_fn = free_fn;
+    s->free_ctx = ctx;
+    return s;
+}
+
 pb_storage_t *pb_storage_ref(pb_storage_t *s)
 {
     if (s)

@@ -47,7 +47,9 @@ typedef struct pb_device {
 typedef enum pb_storage_kind {
     PB_STORAGE_HEAP,    /* aligned malloc, freed with free() */
     PB_STORAGE_VIEW,    /* borrowed bytes kept alive by free_ctx's release */
-    PB_STORAGE_SHM,     /* mmap'ed shared-memory buffer (section 6) */
+    PB_STORAGE_SHM,     /* mmap'ed shared-memory buffer (section 6); made by
+                           pb_storage_wrap, free_ctx is the daemon's mapping
+                           record (daemon/buffer.h) */
     PB_STORAGE_DEVICE,  /* device memory; free_fn returns it to the device */
 } pb_storage_kind_t;
 
@@ -96,6 +98,13 @@ pb_storage_t *pb_storage_new(size_t size, bool zero);
 /* A storage that borrows ptr; release(ctx) runs when the last reference
  * goes. */
 pb_storage_t *pb_storage_view(void *ptr, size_t size, void (*release)(void *), void *ctx);
+/* A storage of the given kind over bytes its owner manages: free_fn(s)
+ * runs when the last reference goes (then s itself is freed), and
+ * s->free_ctx is ctx, so the owner finds its own record from any tensor
+ * that views the bytes (shared memory: daemon/buffer.c).  NULL when out of
+ * memory. */
+pb_storage_t *pb_storage_wrap(pb_storage_kind_t kind, void *ptr, size_t size, void (*free_fn)(pb_storage_t *),
+                              void *ctx);
 pb_storage_t *pb_storage_ref(pb_storage_t *s);
 void pb_storage_unref(pb_storage_t *s);
 

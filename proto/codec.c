@@ -76,11 +76,53 @@ bool pb_utf8_valid(const char *str, size_t len)
     return true;
 }
 
+int pb_buffer_view(const pb_resolver_t *res, const msgpack_object *buffer, const msgpack_object *offset, size_t bytes,
+                   size_t align, bool write, const char *what, pb_storage_t **st, size_t *off, uint64_t *id,
+                   pb_err_t *err)
+{
+    uint64_t b, o;
+    if (buffer == NULL)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: offset needs buffer (the id register_buffer returned)",
+                          what);
+    if (offset == NULL)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: buffer needs offset (a byte offset into it)", what);
+    if (!pb__obj_uint(buffer, &b))
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                          "%s: buffer must be the id register_buffer returned (a non-negative integer)", what);
+    if (!pb__obj_uint(offset, &o))
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: offset must be a non-negative integer (bytes)", what);
+    if (res == NULL || res->find == NULL)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                          "%s: no shared-memory buffers are registered here; send the values in data", what);
+    pb_storage_t *s = res->find(res->ctx, b, write, what, err);
+    if (s == NULL)
+        return err ? err->code : PB_EINVALID_ARGUMENT;
+    /* Checked in this order so that neither sum can overflow. */
+    if (o > s->size || bytes > s->size - o)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                          "%s: %zu bytes at offset %llu run past the end of buffer %llu (%zu bytes registered)", what,
+                          bytes, (unsigned long long)o, (unsigned long long)b, s->size);
+    if (align > 1 && o % align != 0)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                          "%s: offset %llu is not aligned: offsets must be a multiple of the element size (%zu bytes)",
+                          what, (unsigned long long)o, align);
+    *st = pb_storage_ref(s);
+    *off = (size_t)o;
+    *id = b;
+    return 0;
+}
+
 int pb_tensor_decode(const msgpack_object *o, pb_storage_t *msg, const char *what, pb_tensor_t *t, pb_err_t *err)
+{
+    return pb_tensor_decode_with(o, msg, NULL, what, t, err);
+}
+
+int pb_tensor_decode_with(const msgpack_object *o, pb_storage_t *msg, const pb_resolver_t *res, const char *what,
+                          pb_tensor_t *t, pb_err_t *err)
 {
     if (o->type != MSGPACK_OBJECT_MAP)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s must be a tensor map {dtype, shape, data}", what);
-    const msgpack_object *dt = NULL, *shape = NULL, *order = NULL, *data = NULL;
+    const msgpack_object *dt = NULL, *shape = NULL, *order = NULL, *data = NULL, *buffer = NULL, *offset = NULL;
     for (uint32_t i = 0; i < o->via.map.size; i++) {
         const msgpack_object *k = &o->via.map.ptr[i].key, *v = &o->via.map.ptr[i].val;
         if (pb__obj_is_str(k, "dtype"))
@@ -91,11 +133,10 @@ int pb_tensor_decode(const msgpack_object *o, pb_storage_t *msg, const char *wha
             order = v;
         else if (pb__obj_is_str(k, "data"))
             data = v;
-        else if (pb__obj_is_str(k, "buffer") || pb__obj_is_str(k, "offset"))
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
-                              "%s: shared-memory buffers are not registered on this connection (register_buffer "
-                              "is not supported by this daemon yet); send the values in data",
-                              what);
+        else if (pb__obj_is_str(k, "buffer"))
+            buffer = v;
+        else if (pb__obj_is_str(k, "offset"))
+            offset = v;
         else if (k->type == MSGPACK_OBJECT_STR)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: unknown tensor key '%.*s'", what,
                               (int)(k->via.str.size > 40 ? 40 : k->via.str.size), k->via.str.ptr);
@@ -137,6 +178,20 @@ int pb_tensor_decode(const msgpack_object *o, pb_storage_t *msg, const char *wha
     size_t bytes;
     if (!pb_shape_count(r.rank, r.shape, pb_dtype_size(d), NULL, &bytes))
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: the product of the shape overflows", what);
+    if (buffer || offset) {
+        if (data)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                              "%s: give either data or buffer and offset, not both", what);
+        /* Aligned to the element size, the kernels read the mapping in
+         * place: a mapping starts on a page. */
+        uint64_t id;
+        int rc = pb_buffer_view(res, buffer, offset, bytes, pb_dtype_size(d), false, what, &r.storage, &r.offset,
+                                &id, err);
+        if (rc)
+            return rc;
+        *t = r;
+        return 0;
+    }
     if (data == NULL || data->type != MSGPACK_OBJECT_BIN)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: data must be bin (little-endian values)", what);
     if (data->via.bin.size != bytes)
@@ -199,6 +254,23 @@ void pb_out_tensor(pb_out_t *o, const pb_tensor_t *t)
     pb_out_str(o, t->order == 'F' ? "F" : "C");
     pb_out_str(o, "data");
     pb_out_bin(o, pb_tensor_data(t), pb_tensor_bytes(t), t->storage);
+}
+
+void pb_out_tensor_in_buffer(pb_out_t *o, const pb_tensor_t *t, uint64_t buffer, uint64_t offset)
+{
+    msgpack_pack_map(&o->pk, 5);
+    pb_out_str(o, "dtype");
+    pb_out_str(o, pb_dtype_name(t->dtype));
+    pb_out_str(o, "shape");
+    msgpack_pack_array(&o->pk, (size_t)t->rank);
+    for (int i = 0; i < t->rank; i++)
+        msgpack_pack_uint64(&o->pk, t->shape[i]);
+    pb_out_str(o, "order");
+    pb_out_str(o, t->order == 'F' ? "F" : "C");
+    pb_out_str(o, "buffer");
+    msgpack_pack_uint64(&o->pk, buffer);
+    pb_out_str(o, "offset");
+    msgpack_pack_uint64(&o->pk, offset);
 }
 
 void pb_out_error_response(pb_out_t *o, uint32_t msgid, const pb_err_t *err)

@@ -66,6 +66,8 @@ static void defaults_without_file(void **state)
     /* No default file at all. */
     assert_int_equal(load(&c, NULL, err, sizeof err, NULL), 0);
     assert_int_equal(c.max_tapes_per_connection, 65536);
+    assert_int_equal(c.max_buffers_per_connection, 64);
+    assert_int_equal(c.max_buffer_bytes_per_connection, (size_t)64 << 30);
 }
 
 static void good_file(void **state)
@@ -78,6 +80,8 @@ static void good_file(void **state)
                               "max_tape_bytes_per_uid=512M\n"
                               "max-tapes-per-connection = 10   # a trailing comment\n"
                               "\tmax-inflight-per-connection\t=\t7\t\r\n"
+                              "max-buffers-per-connection = 0\n"
+                              "max_buffer_bytes_per_connection = 1G\n"
                               "max-message-bytes = 64KiB\n"
                               "socket = /tmp/x#y.sock\n"
                               "socket-mode = 0600\n"
@@ -92,6 +96,8 @@ static void good_file(void **state)
     assert_int_equal(c.max_tape_bytes_per_uid, (size_t)512 << 20);
     assert_int_equal(c.max_tapes_per_connection, 10);
     assert_int_equal(c.max_inflight_per_connection, 7);
+    assert_int_equal(c.max_buffers_per_connection, 0); /* 0: register_buffer always refused */
+    assert_int_equal(c.max_buffer_bytes_per_connection, (size_t)1 << 30);
     assert_int_equal(c.max_message_bytes, 64 << 10);
     assert_string_equal(c.socket_path, "/tmp/x#y.sock"); /* '#' not after a blank: part of the value */
     assert_int_equal(c.socket_mode, 0600);

@@ -337,6 +337,117 @@ static void tensor_decode(void **state)
     pb_tensor_clear(&t);
 }
 
+/* {dtype, shape, buffer, offset} against one fake buffer (id 7, 256
+ * bytes) through a resolver: a view of its bytes holding a reference, or
+ * the refusal naming what is wrong. */
+static pb_storage_t *fake;
+
+static pb_storage_t *fake_find(void *ctx, uint64_t id, bool write, const char *what, pb_err_t *err)
+{
+    (void)ctx;
+    (void)write;
+    if (id == 7)
+        return fake;
+    pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: buffer %llu is not registered", what, (unsigned long long)id);
+    return NULL;
+}
+
+enum { NO_BUFFER = 1, NO_OFFSET = 2, NEG_OFFSET = 4, WITH_DATA = 8 };
+
+static int decode_buf(const pb_resolver_t *res, const char *dtype, uint64_t n, uint64_t buffer, uint64_t offset,
+                      unsigned how, pb_tensor_t *t, pb_err_t *err)
+{
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 2 + !(how & NO_BUFFER) + !(how & NO_OFFSET) + !!(how & WITH_DATA));
+    msgpack_pack_str_with_body(&pk, "dtype", 5);
+    msgpack_pack_str_with_body(&pk, dtype, strlen(dtype));
+    msgpack_pack_str_with_body(&pk, "shape", 5);
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_uint64(&pk, n);
+    if (!(how & NO_BUFFER)) {
+        msgpack_pack_str_with_body(&pk, "buffer", 6);
+        msgpack_pack_uint64(&pk, buffer);
+    }
+    if (!(how & NO_OFFSET)) {
+        msgpack_pack_str_with_body(&pk, "offset", 6);
+        if (how & NEG_OFFSET)
+            msgpack_pack_int(&pk, -1);
+        else
+            msgpack_pack_uint64(&pk, offset);
+    }
+    if (how & WITH_DATA) {
+        msgpack_pack_str_with_body(&pk, "data", 4);
+        msgpack_pack_bin_with_body(&pk, "12345678", 8);
+    }
+    pb_storage_t *msg = pb_storage_new(sb.size, false);
+    memcpy(msg->ptr, sb.data, sb.size);
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    assert_int_equal(msgpack_unpack_next(&up, msg->ptr, msg->size, &off), MSGPACK_UNPACK_SUCCESS);
+    int rc = pb_tensor_decode_with(&up.data, msg, res, "inputs.x", t, err);
+    msgpack_unpacked_destroy(&up);
+    pb_storage_unref(msg);
+    msgpack_sbuffer_destroy(&sb);
+    return rc;
+}
+
+static void tensor_in_buffer(void **state)
+{
+    (void)state;
+    fake = pb_storage_new(256, true);
+    pb_resolver_t res = {fake_find, NULL};
+    pb_tensor_t t;
+    pb_err_t err;
+    /* a view, zero copy, one reference more */
+    assert_int_equal(decode_buf(&res, "f64", 4, 7, 64, 0, &t, &err), 0);
+    assert_ptr_equal(t.storage, fake);
+    assert_int_equal(t.offset, 64);
+    assert_ptr_equal(pb_tensor_data(&t), (char *)fake->ptr + 64);
+    assert_int_equal(atomic_load(&fake->refs), 2);
+    pb_tensor_clear(&t);
+    assert_int_equal(atomic_load(&fake->refs), 1);
+    /* exactly to the end, and a zero-size tensor at the very end */
+    assert_int_equal(decode_buf(&res, "c128", 2, 7, 224, 0, &t, &err), 0);
+    pb_tensor_clear(&t);
+    assert_int_equal(decode_buf(&res, "f32", 0, 7, 256, 0, &t, &err), 0);
+    pb_tensor_clear(&t);
+    struct {
+        const char *dtype;
+        uint64_t n, buffer, offset;
+        unsigned how;
+        const char *needle;
+    } bad[] = {
+        {"f64", 4, 8, 0, 0, "not registered"},
+        {"f64", 4, 7, 232, 0, "past the end"},          /* 32 bytes at 232 of 256 */
+        {"f64", 1, 7, 264, 0, "past the end"},          /* starts past the end */
+        {"f64", 1, 7, UINT64_MAX - 7, 0, "past the end"}, /* offset + 8 wraps */
+        {"f64", 1, 7, 4, 0, "aligned"},
+        {"c128", 1, 7, 8, 0, "16 bytes"},
+        {"f32", 1, 7, 2, 0, "aligned"},
+        {"f64", 1, 7, 0, NEG_OFFSET, "non-negative"},
+        {"f64", 1, 7, 8, NO_BUFFER, "needs buffer"},
+        {"f64", 1, 7, 8, NO_OFFSET, "needs offset"},
+        {"f64", 1, 7, 0, WITH_DATA, "not both"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        memset(&t, 0, sizeof t);
+        int rc = decode_buf(&res, bad[i].dtype, bad[i].n, bad[i].buffer, bad[i].offset, bad[i].how, &t, &err);
+        if (rc != PB_EINVALID_ARGUMENT || strstr(err.message, bad[i].needle) == NULL)
+            fail_msg("case %zu: %d, %s", i, rc, err.message);
+        assert_null(t.storage);
+        assert_string_equal(err.arg, "inputs.x");
+    }
+    assert_int_equal(atomic_load(&fake->refs), 1);
+    /* no resolver: no buffers at all */
+    assert_int_equal(decode_buf(NULL, "f64", 1, 7, 0, 0, &t, &err), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err.message, "no shared-memory buffers"));
+    pb_storage_unref(fake);
+}
+
 static void utf8(void **state)
 {
     (void)state;
@@ -353,7 +464,7 @@ int main(void)
         cmocka_unit_test(whole_message), cmocka_unit_test(partial_reads), cmocka_unit_test(back_to_back),
         cmocka_unit_test(map32_bomb),    cmocka_unit_test(oversize),      cmocka_unit_test(garbage),
         cmocka_unit_test(depth),         cmocka_unit_test(every_type),    cmocka_unit_test(too_many_elements),
-        cmocka_unit_test(tensor_decode), cmocka_unit_test(utf8),
+        cmocka_unit_test(tensor_decode), cmocka_unit_test(tensor_in_buffer), cmocka_unit_test(utf8),
     };
     return cmocka_run_group_tests_name("unit.wire", tests, NULL, NULL);
 }

@@ -10,9 +10,17 @@ Errors from the daemon raise PullbackError carrying the wire code. A Client
 is one connection and is not thread-safe; only the release notification a
 garbage-collected Tape sends may come from any thread.
 
+Shared memory (contract section 6): ``Client.shared_buffer(size)`` makes a
+memfd, maps it here and registers it (``register_buffer``, the fd passed
+with socket.send_fds); a BufferTensor names values that lie in a buffer
+and is sent instead of an array, and ``into={name: (buffer, offset)}``
+has outputs or gradients written into a buffer, returned as BufferTensor
+(``accumulate=True`` on reverse adds gradients to what is there).
+
 Needs Debian's python3-msgpack and python3-numpy (run it with /usr/bin/python3).
 """
 
+import mmap
 import os
 import socket
 import threading
@@ -22,7 +30,7 @@ import msgpack
 import numpy as np
 
 __all__ = [
-    "Client", "Tape", "PullbackError", "GaugeWarning",
+    "Client", "Tape", "PullbackError", "GaugeWarning", "BufferTensor", "SharedBuffer",
     "socket_path", "encode_tensor", "decode_tensor",
 ]
 
@@ -62,12 +70,138 @@ def socket_path():
     return f"/tmp/pullbackd-{os.getuid()}.sock"
 
 
+def _wire_dtype(dtype):
+    """The wire name of a dtype given by name ("f64") or as a numpy dtype."""
+    if isinstance(dtype, str) and dtype in _NUMPY_DTYPES:
+        return dtype
+    wire = np.dtype(dtype).newbyteorder("<")
+    if wire not in _WIRE_DTYPES:
+        raise TypeError(f"pullbackd takes float32, float64, complex64 or complex128, not {dtype}")
+    return _WIRE_DTYPES[wire]
+
+
+class BufferTensor:
+    """A tensor whose values lie in a registered shared-memory buffer.
+
+    Sent in place of an array as ``{dtype, shape, order, buffer, offset}``
+    (the daemon reads the buffer, no copy); results written into a buffer
+    (``into``) come back as one. ``dtype`` is the wire name ("f32", "f64",
+    "c64", "c128"); numpy dtypes are accepted too. ``offset`` is in bytes
+    and must be a multiple of the element size.
+    """
+
+    __slots__ = ("buffer", "offset", "dtype", "shape", "order")
+
+    def __init__(self, buffer, offset, dtype, shape, order="C"):
+        self.buffer = buffer.id if isinstance(buffer, SharedBuffer) else int(buffer)
+        self.offset = int(offset)
+        self.dtype = _wire_dtype(dtype)
+        self.shape = tuple(int(d) for d in shape)
+        if order not in ("C", "F"):
+            raise ValueError(f"order must be 'C' or 'F', not {order!r}")
+        self.order = order
+
+    @property
+    def nbytes(self):
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * _NUMPY_DTYPES[self.dtype].itemsize
+
+    def wire(self):
+        """The wire tensor map."""
+        return {"dtype": self.dtype, "shape": list(self.shape), "order": self.order,
+                "buffer": self.buffer, "offset": self.offset}
+
+    def __eq__(self, other):
+        return isinstance(other, BufferTensor) and self.wire() == other.wire()
+
+    def __repr__(self):
+        return (f"BufferTensor(buffer={self.buffer}, offset={self.offset}, dtype={self.dtype!r}, "
+                f"shape={self.shape}, order={self.order!r})")
+
+
+class SharedBuffer:
+    """A memfd of ``size`` bytes, mapped here and registered with the daemon.
+
+    Made by ``Client.shared_buffer(size)``. ``id`` is the daemon's buffer
+    id. ``array(offset, shape, dtype, order)`` is a writable numpy view of
+    its bytes, ``tensor(...)`` the BufferTensor that names them, ``put(offset,
+    array)`` copies an array in and returns its BufferTensor, ``view(t)`` is
+    the numpy view of a BufferTensor (a result written ``into`` it).
+    ``close()`` unregisters and unmaps it; it is also a context manager.
+    Do not shrink the file: the daemon then fails every request that
+    touches the buffer.
+    """
+
+    def __init__(self, client, size, name="pullbackd"):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            self.mmap = mmap.mmap(fd, size)
+            self.id = client.register_buffer(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.client, self.size, self.fd = client, size, fd
+
+    def array(self, offset, shape, dtype, order="C"):
+        """A writable numpy view of the bytes at offset."""
+        dt = _NUMPY_DTYPES[_wire_dtype(dtype)]
+        shape = tuple(int(d) for d in shape)
+        count = 1
+        for d in shape:
+            count *= d
+        return np.frombuffer(self.mmap, dtype=dt, count=count, offset=offset).reshape(shape, order=order)
+
+    def tensor(self, offset, shape, dtype, order="C"):
+        """The BufferTensor of the values at offset."""
+        return BufferTensor(self.id, offset, dtype, shape, order)
+
+    def put(self, offset, value):
+        """Copy an array (in its own memory order, C unless F-contiguous) to offset; its BufferTensor."""
+        arr = np.asarray(value)
+        order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
+        self.array(offset, arr.shape, arr.dtype, order)[...] = arr
+        return self.tensor(offset, arr.shape, arr.dtype, order)
+
+    def view(self, tensor):
+        """The numpy view of a BufferTensor that lies in this buffer."""
+        if tensor.buffer != self.id:
+            raise ValueError(f"{tensor!r} is not in buffer {self.id}")
+        return self.array(tensor.offset, tensor.shape, tensor.dtype, tensor.order)
+
+    def close(self):
+        """Unregister the buffer (if the connection is open) and unmap it here."""
+        if self.fd is None:
+            return
+        try:
+            if self.client._sock is not None:
+                self.client.unregister_buffer(self.id)
+        finally:
+            try:
+                self.mmap.close()
+            except BufferError:
+                pass  # numpy views still use it: unmapped when they are gone
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def encode_tensor(value):
     """The wire tensor map of an array (or of anything np.asarray takes).
 
     numpy arrays must be float32, float64, complex64 or complex128 (else
-    TypeError); python numbers and lists of ints become float64.
+    TypeError); python numbers and lists of ints become float64. A
+    BufferTensor is sent as the buffer and offset it names.
     """
+    if isinstance(value, BufferTensor):
+        return value.wire()
     if isinstance(value, (np.ndarray, np.generic)):
         arr = np.asarray(value)
     else:
@@ -89,7 +223,13 @@ def encode_tensor(value):
 
 
 def decode_tensor(tensor):
-    """The numpy array of a wire tensor map: a read-only view of its data."""
+    """The numpy array of a wire tensor map: a read-only view of its data.
+
+    A result written into a buffer ({..., buffer, offset}) is a BufferTensor.
+    """
+    if "buffer" in tensor:
+        return BufferTensor(tensor["buffer"], tensor["offset"], tensor["dtype"], tensor["shape"],
+                            tensor.get("order", "C"))
     try:
         dtype = _NUMPY_DTYPES[tensor["dtype"]]
     except KeyError:
@@ -124,6 +264,24 @@ def _tensors(arrays):
 
 def _arrays(tensors):
     return {name: decode_tensor(t) for name, t in tensors.items()}
+
+
+def _into(into):
+    """The wire form of into: name -> (buffer, offset) | BufferTensor | {buffer, offset}."""
+    if into is None:
+        return None
+    out = {}
+    for name, target in into.items():
+        if isinstance(target, BufferTensor):
+            buffer, offset = target.buffer, target.offset
+        elif isinstance(target, dict):
+            buffer, offset = target["buffer"], target["offset"]
+        else:
+            buffer, offset = target
+        if isinstance(buffer, SharedBuffer):
+            buffer = buffer.id
+        out[name] = {"buffer": int(buffer), "offset": int(offset)}
+    return out
 
 
 def _handle(tape):
@@ -202,13 +360,21 @@ class Client:
         self.close()
 
     # -- transport -------------------------------------------------------
-    def _write(self, data):
-        """Send one packed message, preceded by the releases of collected tapes."""
+    def _write(self, data, fds=None):
+        """Send one packed message, preceded by the releases of collected tapes.
+
+        fds ride as SCM_RIGHTS on the sendmsg that carries the message's first bytes.
+        """
         if self._sock is None:
             raise ConnectionError("the client is closed")
         with self._write_lock:
             self._send_releases()
-            self._sock.sendall(data)
+            if fds:
+                sent = socket.send_fds(self._sock, [data], list(fds))
+                if sent < len(data):
+                    self._sock.sendall(memoryview(data)[sent:])
+            else:
+                self._sock.sendall(data)
 
     def _send_releases(self):
         """Send the deferred release notifications; the caller holds the write lock."""
@@ -227,11 +393,14 @@ class Client:
             finally:
                 self._write_lock.release()
 
-    def send(self, method, params=None):
-        """Send a request without waiting for its reply; returns its msgid."""
+    def send(self, method, params=None, fds=None):
+        """Send a request without waiting for its reply; returns its msgid.
+
+        ``fds`` (file descriptors) are passed with it, as register_buffer wants.
+        """
         msgid = self._next_msgid
         self._next_msgid = (msgid + 1) & 0xFFFFFFFF or 1  # msgid 0 is the daemon's for parse errors
-        self._write(msgpack.packb([0, msgid, method, [params or {}]]))
+        self._write(msgpack.packb([0, msgid, method, [params or {}]]), fds)
         return msgid
 
     def notify(self, method, params=None):
@@ -294,28 +463,34 @@ class Client:
         """The daemon's counters (tapes, tape_bytes, connections, ...)."""
         return self.call("stats")
 
-    def forward(self, op, inputs, options=None, device=None, order=None):
-        """The op's outputs (name -> numpy array); no tape is kept."""
+    def forward(self, op, inputs, options=None, device=None, order=None, into=None):
+        """The op's outputs (name -> numpy array); no tape is kept.
+
+        Inputs may be BufferTensors. ``into`` maps output names to (buffer,
+        offset): those outputs are written there and come back as BufferTensors.
+        """
         params = _params(op=op, inputs=_tensors(inputs), options=_wire_value(options),
-                         device=device, order=order)
+                         device=device, order=order, into=_into(into))
         return _arrays(self.call("forward", params)["outputs"])
 
     def augmented_forward(self, op, inputs, wrt, options=None, device=None, scope=None, ttl_s=None,
-                          order=None):
-        """(outputs, Tape): the forward, keeping what the gradients of ``wrt`` need."""
+                          order=None, into=None):
+        """(outputs, Tape): the forward, keeping what the gradients of ``wrt`` need (``into`` as forward)."""
         params = _params(op=op, inputs=_tensors(inputs), options=_wire_value(options), device=device,
-                         order=order, wrt=list(wrt), scope=scope, ttl_s=ttl_s)
+                         order=order, wrt=list(wrt), scope=scope, ttl_s=ttl_s, into=_into(into))
         result = self.call("augmented_forward", params)
         return _arrays(result["outputs"]), Tape(self, result["tape"], result["tape_bytes"])
 
-    def reverse(self, tape, cotangents, keep=False, order=None):
+    def reverse(self, tape, cotangents, keep=False, order=None, into=None, accumulate=False):
         """The gradients (name -> numpy array) for a Tape or raw handle.
 
         Consumes the tape unless ``keep``. Reply warnings are issued as
-        GaugeWarning and kept in ``self.last_warnings``.
+        GaugeWarning and kept in ``self.last_warnings``. ``into`` maps input
+        names to (buffer, offset): those gradients are written there (added
+        to what is there with ``accumulate``) and come back as BufferTensors.
         """
         params = _params(tape=_handle(tape), cotangents=_tensors(cotangents), keep=keep or None,
-                         order=order)
+                         order=order, into=_into(into), accumulate=accumulate or None)
         result = self.call("reverse", params)
         if isinstance(tape, Tape) and not keep:
             tape._done = True
@@ -330,6 +505,22 @@ class Client:
         if isinstance(tape, Tape):
             tape._done = True
         return released
+
+    def register_buffer(self, fd, size):
+        """Register ``size`` bytes of fd (a memfd or shm file) with the daemon; returns the buffer id.
+
+        The fd is passed with the request (SCM_RIGHTS); the caller keeps its own.
+        """
+        return self.wait(self.send("register_buffer", {"size": int(size)}, fds=[fd]))["buffer"]
+
+    def unregister_buffer(self, buffer):
+        """Drop a buffer (an id or SharedBuffer); requests already sent still see it."""
+        buffer = buffer.id if isinstance(buffer, SharedBuffer) else int(buffer)
+        return self.call("unregister_buffer", {"buffer": buffer})["unregistered"]
+
+    def shared_buffer(self, size, name="pullbackd"):
+        """A new memfd of ``size`` bytes, mapped here and registered: a SharedBuffer."""
+        return SharedBuffer(self, size, name)
 
     def check(self, op, inputs, wrt, options=None, device=None, seed=None):
         """The server's finite-difference check of the op's reverse: {max_rel_err, per_input}."""

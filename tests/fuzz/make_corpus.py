@@ -5,7 +5,9 @@ Run: /usr/bin/python3 tests/fuzz/make_corpus.py   (rewrites tests/fuzz/corpus/)
 Each file is one msgpack-RPC message as a client would send it: small
 tensors in both orders and all four dtypes, every option of every op, the
 einsum form, the scopes, notifications, and a few messages that stack
-several requests back to back.
+several requests back to back. Tensors that lie in shared-memory buffers
+({buffer, offset}) and into targets name the fuzz target's two fake
+buffers: id 1 (4096 bytes, writable) and id 2 (256 bytes, read-only).
 """
 
 import os
@@ -26,6 +28,10 @@ def tensor(dtype, shape, order="C", value=0.5):
     fmt = "<%d%s" % (comp, "f" if dtype in ("f32", "c64") else "d")
     vals = [value + 0.125 * (i % 7) - 0.25 * (i % 3) for i in range(comp)]
     return {"dtype": dtype, "shape": list(shape), "order": order, "data": struct.pack(fmt, *vals)}
+
+
+def in_buffer(dtype, shape, buffer, offset, order="C"):
+    return {"dtype": dtype, "shape": list(shape), "order": order, "buffer": buffer, "offset": offset}
 
 
 def request(msgid, method, params):
@@ -136,6 +142,30 @@ def main():
 
     # several requests in one stream, and a pipelined forward/reverse pair
     add("stream", req("hello", {}) + req("ops", {}) + notification("release", {"tape": 1}) + req("stats", {}))
+
+    # shared-memory buffers: inputs, cotangents and into targets in the fake
+    # buffers, accumulate, and the refusals (misaligned, past the end,
+    # read-only into, unknown id, overlapping targets)
+    add("unregister_buffer", req("unregister_buffer", {"buffer": 1}))
+    add("shm_forward", req("forward", {"op": "fused_dense", "inputs": {
+        "weight": in_buffer("f64", (3, 4), 1, 0), "x": in_buffer("f64", (4, 2), 1, 96, "F"),
+        "bias": in_buffer("f64", (3,), 2, 8)}, "into": {"y": {"buffer": 1, "offset": 1024}}}))
+    add("shm_augmented", req("augmented_forward", {"op": "svd_compact", "wrt": ["A"],
+        "inputs": {"A": in_buffer("c64", (4, 3), 2, 16)},
+        "into": {"U": {"buffer": 1, "offset": 0}, "S": {"buffer": 1, "offset": 512},
+                 "Vh": {"buffer": 1, "offset": 1024}}, "order": "F", "accumulate": False}))
+    add("shm_reverse", req("reverse", {"tape": 12345, "keep": True, "accumulate": True,
+                                       "cotangents": {"y": in_buffer("f64", (3, 2), 2, 0)},
+                                       "into": {"weight": {"buffer": 1, "offset": 0}}}))
+    add("shm_reverse_svd", req("reverse", {"tape": 1, "order": "F",
+                                           "cotangents": {"S": in_buffer("f32", (3,), 1, 4)},
+                                           "into": {"A": {"buffer": 1, "offset": 8}}}))
+    add("shm_bad", req("forward", {"op": "tensoradd", "inputs": {"A": in_buffer("c128", (2, 2), 1, 8)},
+                                   "into": {"C": {"buffer": 2, "offset": 4088}}}))
+    add("shm_overlap", req("forward", {"op": "qr_compact", "inputs": {"A": in_buffer("f64", (3, 2), 1, 4000)},
+                                       "into": {"Q": {"buffer": 1, "offset": 0}, "R": {"buffer": 1, "offset": 8}}}))
+    add("shm_tensortrace", req("check", {"op": "tensortrace", "wrt": ["A"],
+                                         "inputs": {"A": in_buffer("f64", (2, 3, 2), 3, 0)}}))
 
     for name, data in files.items():
         with open(os.path.join(OUT, name + ".msgpack"), "wb") as f:

@@ -1,0 +1,381 @@
+/* Shared-memory buffers: per-connection tables, the mappings, and the
+ * SIGBUS handler that keeps a shrunk file from killing the daemon. */
+#define _GNU_SOURCE
+#include "buffer.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* ---- the registry ------------------------------------------------------- */
+
+/* One live mapping, as the SIGBUS handler sees it.  Writers (register and
+ * the last unref, any thread) hold reg_lock and bump seq to odd while they
+ * change a slot; the handler takes no lock and skips a slot whose seq is
+ * odd or moved while it read, as a seqlock reader does.  That skip never
+ * loses the faulting mapping: its slot is written before any tensor can
+ * view it and cleared only after the last view is gone. */
+typedef struct reg_slot {
+    atomic_uint seq;
+    _Atomic(uintptr_t) base; /* 0: free */
+    atomic_size_t len;       /* bytes mapped: the registered size in whole pages */
+    atomic_int prot;
+    atomic_bool broken;
+} reg_slot_t;
+
+#define CHUNK 1024
+#define NCHUNKS (PB_SHM_MAX_MAPPINGS / CHUNK)
+
+/* Allocated in order as needed, never freed: the handler may be reading. */
+static _Atomic(reg_slot_t *) chunks[NCHUNKS];
+static pthread_mutex_t reg_lock = PTHREAD_MUTEX_INITIALIZER;
+static size_t reg_count, reg_bytes; /* under reg_lock */
+
+static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
+static int bus_rc;
+static struct sigaction bus_old;
+
+/* The mapping record: free_ctx of its storage. */
+typedef struct pb_shm {
+    uint64_t id;
+    size_t len;      /* bytes mapped (whole pages) */
+    bool writable;
+    reg_slot_t *slot;
+} pb_shm_t;
+
+/* The technique of Wayland's wl_shm: a client may shrink its file after
+ * registering it, and touching the pages past the new end raises SIGBUS.
+ * Put anonymous zero pages over the whole mapping that holds the address,
+ * so that the access (and every later one) completes, and mark the mapping
+ * broken: the request that touched it fails when it ends.  An address in no
+ * registered mapping is not ours: the previous action comes back (the
+ * default one, unless a sanitizer installed its own) and the signal is
+ * raised again, for a fault by returning to the faulting access.  Only
+ * atomics and async-signal-safe calls here (mmap is a plain system call). */
+static void on_sigbus(int sig, siginfo_t *si, void *uctx)
+{
+    (void)uctx;
+    int saved = errno;
+    uintptr_t a = (uintptr_t)si->si_addr;
+    for (int c = 0; si->si_code > 0 && c < NCHUNKS; c++) {
+        reg_slot_t *ch = atomic_load(&chunks[c]);
+        if (ch == NULL)
+            break;
+        for (int i = 0; i < CHUNK; i++) {
+            reg_slot_t *sl = &ch[i];
+            unsigned s1 = atomic_load(&sl->seq);
+            if (s1 & 1)
+                continue;
+            uintptr_t b = atomic_load(&sl->base);
+            size_t len = atomic_load(&sl->len);
+            int prot = atomic_load(&sl->prot);
+            if (atomic_load(&sl->seq) != s1 || b == 0 || a < b || a - b >= len)
+                continue;
+            if (mmap((void *)b, len, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
+                goto not_ours;
+            atomic_store(&sl->broken, true);
+            errno = saved;
+            return;
+        }
+    }
+not_ours:
+    sigaction(SIGBUS, &bus_old, NULL);
+    if (si->si_code <= 0)
+        raise(sig);
+    errno = saved;
+}
+
+static void bus_install(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    sa.sa_flags = SA_SIGINFO | SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    bus_rc = sigaction(SIGBUS, &sa, &bus_old);
+}
+
+static void slot_write(reg_slot_t *sl, uintptr_t base, size_t len, int prot)
+{
+    atomic_fetch_add(&sl->seq, 1);
+    atomic_store(&sl->base, base);
+    atomic_store(&sl->len, len);
+    atomic_store(&sl->prot, prot);
+    atomic_store(&sl->broken, false);
+    atomic_fetch_add(&sl->seq, 1);
+}
+
+/* A free slot holding the mapping, or NULL when the registry is full or
+ * out of memory. */
+static reg_slot_t *slot_take(uintptr_t base, size_t len, int prot, size_t size)
+{
+    reg_slot_t *got = NULL;
+    pthread_mutex_lock(&reg_lock);
+    for (int c = 0; c < NCHUNKS && got == NULL; c++) {
+        reg_slot_t *ch = atomic_load(&chunks[c]);
+        if (ch == NULL) {
+            ch = calloc(CHUNK, sizeof *ch);
+            if (ch == NULL)
+                break;
+            atomic_store(&chunks[c], ch);
+        }
+        for (int i = 0; i < CHUNK && got == NULL; i++)
+            if (atomic_load(&ch[i].base) == 0)
+                got = &ch[i];
+    }
+    if (got) {
+        slot_write(got, base, len, prot);
+        reg_count++;
+        reg_bytes += size;
+    }
+    pthread_mutex_unlock(&reg_lock);
+    return got;
+}
+
+static void slot_release(reg_slot_t *sl, size_t size)
+{
+    pthread_mutex_lock(&reg_lock);
+    slot_write(sl, 0, 0, 0);
+    reg_count--;
+    reg_bytes -= size;
+    pthread_mutex_unlock(&reg_lock);
+}
+
+void pb_shm_totals(size_t *count, size_t *bytes)
+{
+    pthread_mutex_lock(&reg_lock);
+    *count = reg_count;
+    *bytes = reg_bytes;
+    pthread_mutex_unlock(&reg_lock);
+}
+
+/* The last reference went.  The slot goes first: once the pages are
+ * unmapped, a new mapping may take their address, and a stale slot would
+ * claim its faults. */
+static void shm_free(pb_storage_t *s)
+{
+    pb_shm_t *m = s->free_ctx;
+    slot_release(m->slot, s->size);
+    munmap(s->ptr, m->len);
+    free(m);
+}
+
+bool pb_shm_broken(const pb_storage_t *s)
+{
+    if (s == NULL || s->kind != PB_STORAGE_SHM)
+        return false;
+    const pb_shm_t *m = s->free_ctx;
+    return atomic_load(&m->slot->broken);
+}
+
+bool pb_shm_writable(const pb_storage_t *s)
+{
+    return s && s->kind == PB_STORAGE_SHM && ((const pb_shm_t *)s->free_ctx)->writable;
+}
+
+uint64_t pb_shm_id(const pb_storage_t *s)
+{
+    return s && s->kind == PB_STORAGE_SHM ? ((const pb_shm_t *)s->free_ctx)->id : 0;
+}
+
+/* ---- tables ------------------------------------------------------------- */
+
+void pb_buffers_init(pb_buffers_t *b)
+{
+    memset(b, 0, sizeof *b);
+}
+
+void pb_buffers_destroy(pb_buffers_t *b)
+{
+    for (size_t i = 0; i < b->n; i++)
+        pb_storage_unref(b->v[i].storage);
+    free(b->v);
+    b->v = NULL;
+    b->n = b->cap = 0;
+    b->bytes = 0;
+    /* last_id stays: ids are never reused on a connection. */
+}
+
+static const char *file_kind(mode_t m)
+{
+    return S_ISSOCK(m) ? "socket" : S_ISFIFO(m) ? "pipe" : S_ISDIR(m) ? "directory" : S_ISCHR(m) ? "character device"
+           : S_ISBLK(m) ? "block device" : "special file";
+}
+
+int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count, size_t max_bytes, uint64_t *id,
+                        pb_err_t *err)
+{
+    int rc = 0;
+    void *p = MAP_FAILED;
+    size_t len = 0;
+    pb_shm_t *m = NULL;
+    reg_slot_t *slot = NULL;
+    pb_storage_t *s;
+    struct stat st;
+    int fl;
+    if (b->n >= max_count) {
+        rc = pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_buffers_per_connection",
+                        "this connection holds %zu buffers, the max_buffers_per_connection limit", b->n);
+        goto out;
+    }
+    if (size == 0 || size > SIZE_MAX / 2) {
+        rc = pb_err_set(err, PB_EINVALID_ARGUMENT, "size", "size must be a positive number of bytes");
+        goto out;
+    }
+    if (b->bytes > max_bytes || size > max_bytes - b->bytes) {
+        rc = pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_buffer_bytes_per_connection",
+                        "this connection has %zu bytes of buffers registered; %llu more would pass the "
+                        "max_buffer_bytes_per_connection limit of %zu",
+                        b->bytes, (unsigned long long)size, max_bytes);
+        goto out;
+    }
+    if (fstat(fd, &st) != 0) {
+        rc = pb_err_set(err, PB_EINVALID_ARGUMENT, NULL, "cannot fstat the file descriptor: %s", strerror(errno));
+        goto out;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        rc = pb_err_set(err, PB_EINVALID_ARGUMENT, NULL,
+                        "the file descriptor is a %s, not a memfd or shared-memory file", file_kind(st.st_mode));
+        goto out;
+    }
+    if (st.st_size < 0 || (uint64_t)st.st_size < size) {
+        rc = pb_err_set(err, PB_EINVALID_ARGUMENT, "size", "size %llu is more than the file's %lld bytes",
+                        (unsigned long long)size, (long long)st.st_size);
+        goto out;
+    }
+    fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || (fl & O_ACCMODE) == O_WRONLY) {
+        rc = pb_err_set(err, PB_EINVALID_ARGUMENT, NULL, "the file descriptor is not open for reading");
+        goto out;
+    }
+    pthread_once(&bus_once, bus_install);
+    if (bus_rc != 0) {
+        rc = pb_err_set(err, PB_EINTERNAL, NULL, "cannot install the SIGBUS handler that shared memory needs");
+        goto out;
+    }
+    if (b->n == b->cap) {
+        size_t ncap = b->cap ? 2 * b->cap : 8;
+        pb_buffer_ent_t *nv = realloc(b->v, ncap * sizeof *nv);
+        if (nv == NULL) {
+            rc = pb_err_set(err, PB_ENOMEM, NULL, "out of memory for the buffer table");
+            goto out;
+        }
+        b->v = nv;
+        b->cap = ncap;
+    }
+    m = calloc(1, sizeof *m);
+    if (m == NULL) {
+        rc = pb_err_set(err, PB_ENOMEM, NULL, "out of memory for the buffer");
+        goto out;
+    }
+    /* Read-write when the fd allows it; a read-only fd, or a memfd sealed
+     * against writes (EPERM), is mapped read-only and refused as into. */
+    m->writable = (fl & O_ACCMODE) == O_RDWR;
+    if (m->writable)
+        p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED && (!m->writable || errno == EPERM || errno == EACCES)) {
+        m->writable = false;
+        p = mmap(NULL, (size_t)size, PROT_READ, MAP_SHARED, fd, 0);
+    }
+    if (p == MAP_FAILED) {
+        int e = errno;
+        rc = e == ENOMEM ? pb_err_set(err, PB_ERESOURCE_EXHAUSTED, NULL, "cannot map %llu bytes: %s",
+                                      (unsigned long long)size, strerror(e))
+                         : pb_err_set(err, PB_EINVALID_ARGUMENT, NULL, "cannot map the file: %s", strerror(e));
+        goto out;
+    }
+    long page = sysconf(_SC_PAGESIZE);
+    size_t pg = page > 0 ? (size_t)page : 4096;
+    len = ((size_t)size + pg - 1) / pg * pg;
+    slot = slot_take((uintptr_t)p, len, m->writable ? PROT_READ | PROT_WRITE : PROT_READ, (size_t)size);
+    if (slot == NULL) {
+        rc = pb_err_set(err, PB_ERESOURCE_EXHAUSTED, NULL, "the daemon already maps %d shared-memory buffers, its most",
+                        PB_SHM_MAX_MAPPINGS);
+        goto out;
+    }
+    m->len = len;
+    m->slot = slot;
+    m->id = b->last_id + 1;
+    s = pb_storage_wrap(PB_STORAGE_SHM, p, (size_t)size, shm_free, m);
+    if (s == NULL) {
+        rc = pb_err_set(err, PB_ENOMEM, NULL, "out of memory for the buffer");
+        goto out;
+    }
+    b->last_id = m->id;
+    b->v[b->n++] = (pb_buffer_ent_t){m->id, s};
+    b->bytes += (size_t)size;
+    *id = m->id;
+    m = NULL;
+    p = MAP_FAILED;
+    slot = NULL;
+out:
+    close(fd);
+    if (slot)
+        slot_release(slot, (size_t)size);
+    if (p != MAP_FAILED)
+        munmap(p, len ? len : (size_t)size);
+    free(m);
+    return rc;
+}
+
+static size_t find_index(const pb_buffers_t *b, uint64_t id)
+{
+    for (size_t i = 0; i < b->n; i++)
+        if (b->v[i].id == id)
+            return i;
+    return b->n;
+}
+
+int pb_buffers_unregister(pb_buffers_t *b, uint64_t id, pb_err_t *err)
+{
+    size_t i = find_index(b, id);
+    if (i == b->n)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "buffer",
+                          "buffer %llu is not registered on this connection", (unsigned long long)id);
+    pb_storage_t *s = b->v[i].storage;
+    b->bytes -= s->size;
+    memmove(&b->v[i], &b->v[i + 1], (b->n - i - 1) * sizeof b->v[0]);
+    b->n--;
+    pb_storage_unref(s);
+    return 0;
+}
+
+static pb_storage_t *resolve(void *ctx, uint64_t id, bool write, const char *what, pb_err_t *err)
+{
+    pb_buffers_t *b = ctx;
+    size_t i = find_index(b, id);
+    if (i == b->n) {
+        pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                   "%s: buffer %llu is not registered on this connection (never registered, unregistered, or "
+                   "another connection's)",
+                   what, (unsigned long long)id);
+        return NULL;
+    }
+    pb_storage_t *s = b->v[i].storage;
+    if (pb_shm_broken(s)) {
+        pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                   "%s: buffer %llu shrank below its registered size; its contents are lost: unregister it",
+                   what, (unsigned long long)id);
+        return NULL;
+    }
+    if (write && !pb_shm_writable(s)) {
+        pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                   "%s: buffer %llu is mapped read-only (its file descriptor was not open for writing, or the "
+                   "file is sealed against writes): results cannot be written into it",
+                   what, (unsigned long long)id);
+        return NULL;
+    }
+    return s;
+}
+
+pb_resolver_t pb_buffers_resolver(pb_buffers_t *b)
+{
+    return (pb_resolver_t){resolve, b};
+}

@@ -1,0 +1,86 @@
+/* Shared-memory buffers (contract section 6): a client's memfd or shm file,
+ * mapped by the daemon so that tensors live in it without a copy, and
+ * results can be written into it (into).
+ *
+ * Glossary
+ *   buffer     a registered mapping as its connection knows it: an id
+ *              (1, 2, ... per connection, never reused there) and the
+ *              registered size.
+ *   mapping    the mmap of the client's fd, MAP_SHARED over the registered
+ *              size: read-write when the fd allows it, else read-only.
+ *              One pb_storage_t of kind PB_STORAGE_SHM stands for it.
+ *   table      a connection's buffers (pb_buffers_t): id -> mapping.
+ *   registry   every live mapping of the process, in slots that the
+ *              SIGBUS handler reads without locks.
+ *   broken     the client shrank its file below the registered size and
+ *              touching the mapping raised SIGBUS: the handler put
+ *              anonymous zero pages over the whole mapping (so the access
+ *              and every later one complete) and marked it broken.  A
+ *              request that touched a broken buffer fails with
+ *              invalid_argument, and the buffer is refused from then on.
+ *
+ * Ownership: a mapping is owned by the references on its storage.  The
+ * table holds one; every tensor that views the mapping (inputs, cotangents
+ * and into targets of requests in flight) holds one more, so unregistering
+ * a buffer or closing its connection never pulls a mapping from under a
+ * worker: the munmap happens at the last reference, on whatever thread
+ * drops it.  The mapping record (free_ctx of the storage) is allocated by
+ * pb_buffers_register and freed with the storage.  The fd is always closed
+ * by pb_buffers_register: the mapping does not need it.  Registry slots
+ * live in chunks that are never freed, so the signal handler never reads
+ * freed memory.  The table itself belongs to its connection and runs on
+ * the loop thread only. */
+#ifndef PB_BUFFER_H
+#define PB_BUFFER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../kernels/tensor.h"
+#include "../proto/codec.h"
+#include "../proto/errors.h"
+
+/* Mappings the registry holds at most, over all connections (the kernel's
+ * default vm.max_map_count is about as many). */
+#define PB_SHM_MAX_MAPPINGS 65536
+
+typedef struct pb_buffer_ent {
+    uint64_t id;
+    pb_storage_t *storage; /* one reference, the table's */
+} pb_buffer_ent_t;
+
+typedef struct pb_buffers {
+    pb_buffer_ent_t *v;    /* n entries, cap allocated */
+    size_t n, cap;
+    uint64_t last_id;
+    size_t bytes;          /* registered sizes summed */
+} pb_buffers_t;
+
+void pb_buffers_init(pb_buffers_t *b);
+/* Drop the table's references (mappings still viewed by requests in
+ * flight live until those end) and empty it; the table may be used again. */
+void pb_buffers_destroy(pb_buffers_t *b);
+/* Map size bytes of fd (always closed) and add them to the table.  Checks,
+ * before anything is mapped: the table's count below max_count and its
+ * bytes + size at most max_bytes (resource_exhausted naming
+ * max_buffers_per_connection / max_buffer_bytes_per_connection), fd a
+ * regular file (memfd, shm file) open for reading, size > 0 and at most
+ * the file's size (invalid_argument).  0 and *id, or an error in err. */
+int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count, size_t max_bytes, uint64_t *id,
+                        pb_err_t *err);
+/* Drop buffer id from the table: 0, or invalid_argument for an id the
+ * table does not hold. */
+int pb_buffers_unregister(pb_buffers_t *b, uint64_t id, pb_err_t *err);
+/* The resolver (codec.h) of a table: finds ids in b. */
+pb_resolver_t pb_buffers_resolver(pb_buffers_t *b);
+
+/* About a storage of kind PB_STORAGE_SHM (false / 0 for any other). */
+bool pb_shm_broken(const pb_storage_t *s);
+bool pb_shm_writable(const pb_storage_t *s);
+uint64_t pb_shm_id(const pb_storage_t *s);
+
+/* Mappings alive in the process and their registered bytes (stats). */
+void pb_shm_totals(size_t *count, size_t *bytes);
+
+#endif

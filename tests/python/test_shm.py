@@ -1,0 +1,184 @@
+"""Shared-memory tensors through the Python client (contract section 6),
+against a real pullbackd started here.
+
+Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_shm.py
+
+Results computed from buffers must equal the same calls made with arrays
+bit for bit (same arithmetic on the same values); accumulated gradients
+must equal the sums numpy forms in the same dtype. Tolerance: none.
+"""
+
+import os
+import sys
+import unittest
+
+import msgpack
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "clients", "python"))
+import pullbackd  # noqa: E402
+from pullbackd import BufferTensor, PullbackError  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from daemon_case import DaemonCase  # noqa: E402
+
+MIB = 1 << 20
+
+
+def same(a, b):
+    """Equal dtype, shape and bytes (NaN-safe, unlike ==)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes(order="A") == b.tobytes(order="A")
+
+
+class WireShape(unittest.TestCase):
+    """What the client sends and how it reads buffer tensors back, without a daemon."""
+
+    def test_encode_decode(self):
+        t = BufferTensor(3, 64, np.float32, (2, 5), "F")
+        self.assertEqual(pullbackd.encode_tensor(t),
+                         {"dtype": "f32", "shape": [2, 5], "order": "F", "buffer": 3, "offset": 64})
+        self.assertEqual(t.nbytes, 40)
+        back = pullbackd.decode_tensor({"dtype": "f32", "shape": [2, 5], "order": "F", "buffer": 3, "offset": 64})
+        self.assertEqual(back, t)
+        self.assertEqual(pullbackd._into({"y": (3, 128), "x": t, "b": {"buffer": 4, "offset": 8}}),
+                         {"y": {"buffer": 3, "offset": 128}, "x": {"buffer": 3, "offset": 64},
+                          "b": {"buffer": 4, "offset": 8}})
+        with self.assertRaises(TypeError):
+            BufferTensor(1, 0, np.int32, (2,))
+
+
+class SharedMemory(DaemonCase):
+    DAEMON_ARGS = ["--max-buffers-per-connection", 8]
+
+    def setUp(self):
+        self.c = pullbackd.Client(self.path, timeout=30)
+        self.rng = np.random.default_rng(7)
+
+    def tearDown(self):
+        self.c.close()
+
+    def dense(self, dtype, out=24, inp=32, batch=16):
+        return {"weight": self.rng.standard_normal((out, inp)).astype(dtype),
+                "x": np.asfortranarray(self.rng.standard_normal((inp, batch)).astype(dtype)),
+                "bias": self.rng.standard_normal(out).astype(dtype)}
+
+    def put_all(self, sb, arrays, at=0):
+        """Each array into sb from offset at on, 4 KiB apart: name -> BufferTensor."""
+        out = {}
+        for name, a in arrays.items():
+            out[name] = sb.put(at, a)
+            at += (a.nbytes + 4095) // 4096 * 4096
+        return out
+
+    def test_forward_from_buffer(self):
+        with self.c.shared_buffer(MIB) as sb:
+            for dtype in (np.float64, np.float32):
+                arrays = self.dense(dtype)
+                inputs = self.put_all(sb, arrays)
+                self.assertEqual(inputs["x"].order, "F")
+                want = self.c.forward("fused_dense", arrays, options={"act": "gelu"})["y"]
+                got = self.c.forward("fused_dense", inputs, options={"act": "gelu"})["y"]
+                self.assertTrue(same(want, got))
+
+    def test_factorization(self):
+        a = (self.rng.standard_normal((7, 5)) + 1j * self.rng.standard_normal((7, 5))).astype(np.complex128)
+        with self.c.shared_buffer(MIB) as sb:
+            want = self.c.forward("svd_compact", {"A": a})
+            into = {"U": (sb, 64 << 10), "S": (sb, 128 << 10), "Vh": (sb, 192 << 10)}
+            got = self.c.forward("svd_compact", {"A": sb.put(0, a)}, into=into)
+            for name in ("U", "S", "Vh"):
+                self.assertIsInstance(got[name], BufferTensor)
+                self.assertEqual(got[name].offset, into[name][1])
+                self.assertTrue(same(want[name], sb.view(got[name])))
+            self.assertEqual(got["S"].dtype, "f64")
+
+    def test_into_orders(self):
+        arrays = self.dense(np.float64)
+        with self.c.shared_buffer(MIB) as sb:
+            for order in ("C", "F"):
+                want = self.c.forward("fused_dense", arrays, order=order)["y"]
+                got = self.c.forward("fused_dense", arrays, order=order, into={"y": (sb.id, 4096)})["y"]
+                self.assertEqual(got.order, order)
+                self.assertTrue(np.array_equal(want, sb.view(got)))
+                self.assertEqual(sb.view(got).flags.f_contiguous, order == "F")
+
+    def test_reverse_into_accumulate(self):
+        for dtype in (np.float64, np.float32):
+            arrays = self.dense(dtype)
+            ybar = self.rng.standard_normal((24, 16)).astype(dtype)
+            wrt = ["weight", "x", "bias"]
+            _, tape = self.c.augmented_forward("fused_dense", arrays, wrt, options={"act": "tanh"})
+            want = self.c.reverse(tape, {"y": ybar}, keep=True)
+            with self.c.shared_buffer(MIB) as sb:
+                got = self.c.reverse(tape, {"y": sb.put(0, ybar)}, keep=True,
+                                     into={"weight": (sb, 64 << 10), "x": (sb, 128 << 10)})
+                self.assertTrue(same(want["weight"], sb.view(got["weight"])))
+                self.assertTrue(same(want["x"], sb.view(got["x"])))
+                self.assertTrue(same(want["bias"], got["bias"]))
+                acc = sb.array(256 << 10, want["weight"].shape, dtype)
+                acc[...] = 0
+                for _ in range(2):
+                    r = self.c.reverse(tape, {"y": ybar}, keep=True, into={"weight": (sb, 256 << 10)},
+                                       accumulate=True)
+                    self.assertIsInstance(r["weight"], BufferTensor)
+                self.assertTrue(same(acc, want["weight"] + want["weight"]))
+                start = self.rng.standard_normal(acc.shape).astype(dtype)
+                acc[...] = start
+                self.c.reverse(tape, {"y": ybar}, into={"weight": (sb, 256 << 10)}, accumulate=True)
+                self.assertTrue(same(acc, start + want["weight"]))
+
+    def test_errors(self):
+        with self.assertRaises(PullbackError) as cm:
+            self.c.call("register_buffer", {"size": 4096})
+        self.assertEqual(cm.exception.code, "invalid_argument")
+        self.assertIn("file descriptor", cm.exception.message)
+        fd = os.memfd_create("pbpy")
+        try:
+            os.ftruncate(fd, 4096)
+            with self.assertRaises(PullbackError) as cm:
+                self.c.register_buffer(fd, 4097)
+            self.assertEqual(cm.exception.code, "invalid_argument")
+            bid = self.c.register_buffer(fd, 4096)
+        finally:
+            os.close(fd)  # the daemon keeps its mapping, not the fd
+        a = BufferTensor(bid, 4, "f64", (2, 2))
+        with self.assertRaises(PullbackError) as cm:
+            self.c.forward("qr_compact", {"A": a})
+        self.assertIn("aligned", cm.exception.message)
+        with self.assertRaises(PullbackError) as cm:
+            self.c.forward("qr_compact", {"A": BufferTensor(bid, 4096, "f64", (2, 2))})
+        self.assertIn("past the end", cm.exception.message)
+        got = self.c.forward("qr_compact", {"A": np.eye(2)}, into={"Q": (bid, 0)})
+        self.assertEqual(got["Q"], BufferTensor(bid, 0, "f64", (2, 2)))
+        with self.assertRaises(PullbackError) as cm:
+            self.c.call("forward", {"op": "qr_compact", "inputs": {"A": pullbackd.encode_tensor(np.eye(2))},
+                                    "into": {"Q": {"buffer": bid, "offset": 0}}, "accumulate": True})
+        self.assertIn("accumulate", cm.exception.message)
+        with self.assertRaises(PullbackError) as cm:
+            self.c.forward("qr_compact", {"A": np.eye(2)}, into={"Q": (bid, 0), "R": (bid, 16)})
+        self.assertIn("overlap", cm.exception.message)
+        self.assertTrue(self.c.unregister_buffer(bid))
+        with self.assertRaises(PullbackError) as cm:
+            self.c.forward("qr_compact", {"A": BufferTensor(bid, 0, "f64", (2, 2))})
+        self.assertIn("not registered", cm.exception.message)
+        with self.assertRaises(PullbackError):
+            self.c.unregister_buffer(bid)
+
+    def test_close_unregisters(self):
+        before = self.c.stats()["buffers"]
+        sb = self.c.shared_buffer(64 << 10)
+        self.assertEqual(self.c.stats()["buffers"], before + 1)
+        view = sb.array(0, (4,), "f64")  # keeps the local mapping alive past close
+        sb.close()
+        self.assertEqual(self.c.stats()["buffers"], before)
+        self.assertEqual(view.shape, (4,))
+
+    def test_hello_limits(self):
+        limits = self.c.hello()["limits"]
+        self.assertEqual(limits["max_buffers_per_connection"], 8)
+        self.assertIn("max_buffer_bytes_per_connection", limits)
+
+
+if __name__ == "__main__":
+    unittest.main()
