@@ -110,27 +110,6 @@ static void view_release(pb_storage_t *s)
     free(vc);
 }
 
-pb_storage_t *pb_storage_view(void *ptr, size_t size, void (*release)(void *), void *ctx)
-{
-    pb_storage_t *s = malloc(sizeof *s);
-    struct view_ctx *vc = malloc(sizeof *vc);
-    if (s == NULL || vc == NULL) {
-        free(s);
-        free(vc);
-        return NULL;
-    }
-    vc->release = release;
-    vc->ctx = ctx;
-    atomic_init(&s->refs, 1);
-    s->kind = PB_STORAGE_VIEW;
-    s->device = (pb_device_t){PB_DEV_CPU, 0};
-    s->ptr = ptr;
-    s->size = size;
-    s->free_fn = view_release;
-    s->free_ctx = vc;
-    return s;
-}
-
 pb_storage_t *pb_storage_wrap(pb_storage_kind_t kind, void *ptr, size_t size, void (*free_fn)(pb_storage_t *),
                               void *ctx)
 {
@@ -144,6 +123,19 @@ pb_storage_t *pb_storage_wrap(pb_storage_kind_t kind, void *ptr, size_t size, vo
     s->size = size;
     s->free_fn = free_fn;
     s->free_ctx = ctx;
+    return s;
+}
+
+pb_storage_t *pb_storage_view(void *ptr, size_t size, void (*release)(void *), void *ctx)
+{
+    struct view_ctx *vc = malloc(sizeof *vc);
+    if (vc == NULL)
+        return NULL;
+    vc->release = release;
+    vc->ctx = ctx;
+    pb_storage_t *s = pb_storage_wrap(PB_STORAGE_VIEW, ptr, size, view_release, vc);
+    if (s == NULL)
+        free(vc);
     return s;
 }
 

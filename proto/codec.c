@@ -241,9 +241,10 @@ void pb_out_bin(pb_out_t *o, const void *p, size_t len, pb_storage_t *s)
     o->seg[o->nseg++] = (struct pb_out_seg){o->sb.size, p, len, pb_storage_ref(s)};
 }
 
-void pb_out_tensor(pb_out_t *o, const pb_tensor_t *t)
+/* A tensor map's first keys, {dtype, shape, order, ...}: nkeys in all. */
+static void out_tensor_head(pb_out_t *o, const pb_tensor_t *t, size_t nkeys)
 {
-    msgpack_pack_map(&o->pk, 4);
+    msgpack_pack_map(&o->pk, nkeys);
     pb_out_str(o, "dtype");
     pb_out_str(o, pb_dtype_name(t->dtype));
     pb_out_str(o, "shape");
@@ -252,21 +253,18 @@ void pb_out_tensor(pb_out_t *o, const pb_tensor_t *t)
         msgpack_pack_uint64(&o->pk, t->shape[i]);
     pb_out_str(o, "order");
     pb_out_str(o, t->order == 'F' ? "F" : "C");
+}
+
+void pb_out_tensor(pb_out_t *o, const pb_tensor_t *t)
+{
+    out_tensor_head(o, t, 4);
     pb_out_str(o, "data");
     pb_out_bin(o, pb_tensor_data(t), pb_tensor_bytes(t), t->storage);
 }
 
 void pb_out_tensor_in_buffer(pb_out_t *o, const pb_tensor_t *t, uint64_t buffer, uint64_t offset)
 {
-    msgpack_pack_map(&o->pk, 5);
-    pb_out_str(o, "dtype");
-    pb_out_str(o, pb_dtype_name(t->dtype));
-    pb_out_str(o, "shape");
-    msgpack_pack_array(&o->pk, (size_t)t->rank);
-    for (int i = 0; i < t->rank; i++)
-        msgpack_pack_uint64(&o->pk, t->shape[i]);
-    pb_out_str(o, "order");
-    pb_out_str(o, t->order == 'F' ? "F" : "C");
+    out_tensor_head(o, t, 5);
     pb_out_str(o, "buffer");
     msgpack_pack_uint64(&o->pk, buffer);
     pb_out_str(o, "offset");
