@@ -37,15 +37,16 @@
 #endif
 
 /* Zeroed work arrays of n elements (never 0 bytes, so never NULL for a
- * zero-size matrix). */
+ * zero-size matrix), with the tail slack LAPACK's over-reads need
+ * (tensor.h); freed with free(). */
 static T *FN(zalloc)(size_t n)
 {
-    return calloc(n ? n : 1, sizeof(T));
+    return pb_mem_calloc(n ? n : 1, sizeof(T));
 }
 
 static RT *FN(ralloc)(size_t n)
 {
-    return calloc(n ? n : 1, sizeof(RT));
+    return pb_mem_calloc(n ? n : 1, sizeof(RT));
 }
 
 /* c = alpha·op(a)·op(b) + beta·c, op 'N', 'T' or 'C'. */

@@ -2,6 +2,7 @@
 
 #include <complex.h>
 #include <malloc.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,7 +53,7 @@ void *pb_mem_alloc(size_t size)
      * posix_memalign block to a later request, so every large tensor would
      * page-fault fresh memory (measured: ~6 MB of faults per round of a
      * 4 MiB and two 1 MiB tensors, none with malloc). */
-    size_t total = size + PB_ALIGN + sizeof(void *);
+    size_t total = size + PB_ALIGN + sizeof(void *) + PB_TAIL_SLACK(size);
     if (total < size)
         return NULL;
     void *block = malloc(total);
@@ -61,6 +62,16 @@ void *pb_mem_alloc(size_t size)
     uintptr_t a = ((uintptr_t)block + sizeof(void *) + PB_ALIGN - 1) & ~(uintptr_t)(PB_ALIGN - 1);
     ((void **)a)[-1] = block;
     return (void *)a;
+}
+
+void *pb_mem_calloc(size_t n, size_t size)
+{
+    if (size != 0 && n > SIZE_MAX / size)
+        return NULL;
+    size_t bytes = n * size, total = bytes + PB_TAIL_SLACK(bytes);
+    if (total < bytes)
+        return NULL;
+    return calloc(1, total);
 }
 
 void pb_mem_free(void *p)
