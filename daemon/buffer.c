@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -234,6 +235,19 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
                         "this connection has %zu bytes of buffers registered; %llu more would pass the "
                         "max_buffer_bytes_per_connection limit of %zu",
                         b->bytes, (unsigned long long)size, max_bytes);
+        goto out;
+    }
+    /* Only a memfd or a shm file: F_GET_SEALS succeeds on exactly the
+     * files of tmpfs (memfd_create, shm_open) and hugetlbfs, and does no
+     * I/O.  fstat and mmap run on the event loop, and on those files they
+     * never wait for a disk or a network, as they could for a file on NFS
+     * or FUSE (not even fstat is called on such a file here). */
+    if (fcntl(fd, F_GET_SEALS) < 0) {
+        int type;
+        socklen_t tl = sizeof type;
+        bool sock = getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &tl) == 0, pipe = fcntl(fd, F_GETPIPE_SZ) >= 0;
+        rc = pb_err_set(err, PB_EINVALID_ARGUMENT, NULL, "the file descriptor is %s, not a memfd or shared-memory "
+                        "file (tmpfs or hugetlbfs)", sock ? "a socket" : pipe ? "a pipe" : "another kind of file");
         goto out;
     }
     if (fstat(fd, &st) != 0) {

@@ -22,7 +22,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <linux/magic.h>
 #include <sys/socket.h>
+#include <sys/vfs.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -859,6 +861,17 @@ static void errors(void **state)
     expect_error(&r, "invalid_argument", "socket");
     close(sp[0]);
     close(sp[1]);
+    /* A file of another filesystem (this program, unless the build
+     * lives on tmpfs): not a memfd or shm file. */
+    int exe = open("/proc/self/exe", O_RDONLY | O_CLOEXEC);
+    struct statfs sf;
+    assert_true(exe >= 0);
+    assert_int_equal(fstatfs(exe, &sf), 0);
+    if (sf.f_type != TMPFS_MAGIC && sf.f_type != HUGETLBFS_MAGIC) {
+        reg(c, exe, 8, &r);
+        expect_error(&r, "invalid_argument", "not a memfd or shared-memory file");
+    }
+    close(exe);
     /* Not readable. */
     char path[64];
     snprintf(path, sizeof path, "/proc/self/fd/%d", s.fd);
