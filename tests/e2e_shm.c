@@ -274,10 +274,7 @@ typedef struct {
     pb_ctensor_t t;
 } arg_t;
 
-typedef struct {
-    const char *name;
-    uint64_t buffer, offset;
-} into_t;
+typedef pb_into_t into_t;
 
 /* forward / augmented_forward params. */
 typedef struct {
@@ -303,20 +300,6 @@ typedef struct {
     int accumulate;           /* -1: absent */
     bool keep;
 } rev_t;
-
-static void pack_into(msgpack_packer *pk, const into_t *into, int n)
-{
-    pb_pack_str(pk, "into");
-    msgpack_pack_map(pk, n > 0 ? (size_t)n : 0);
-    for (int i = 0; i < n; i++) {
-        pb_pack_str(pk, into[i].name);
-        msgpack_pack_map(pk, 2);
-        pb_pack_str(pk, "buffer");
-        msgpack_pack_uint64(pk, into[i].buffer);
-        pb_pack_str(pk, "offset");
-        msgpack_pack_uint64(pk, into[i].offset);
-    }
-}
 
 static void pack_args(msgpack_packer *pk, const char *key, const arg_t *a, int n)
 {
@@ -350,7 +333,7 @@ static uint32_t send_call(pb_client_t *c, const call_t *k)
             pb_pack_str(pk, k->wrt[i]);
     }
     if (k->ninto)
-        pack_into(pk, k->into, k->ninto);
+        pb_pack_into(pk, k->into, k->ninto > 0 ? (size_t)k->ninto : 0);
     if (k->order)
         pb_pack_kv_str(pk, "order", k->order);
     if (k->accumulate >= 0) {
@@ -373,7 +356,7 @@ static uint32_t send_rev(pb_client_t *c, const rev_t *k)
     msgpack_pack_uint64(pk, k->tape);
     pack_args(pk, "cotangents", k->cot, k->ncot);
     if (k->ninto)
-        pack_into(pk, k->into, k->ninto);
+        pb_pack_into(pk, k->into, k->ninto > 0 ? (size_t)k->ninto : 0);
     if (k->order)
         pb_pack_kv_str(pk, "order", k->order);
     if (k->accumulate >= 0) {

@@ -212,6 +212,40 @@ static int tensor_roundtrip(const pb_ctensor_t *t, size_t pad, msgpack_unpacked 
     return pb_obj_tensor(&up->data.via.array.ptr[1], out);
 }
 
+/* pb_pack_into: the key and {name: {buffer, offset}} per target. */
+static void test_pack_into(void **state)
+{
+    (void)state;
+    const pb_into_t into[2] = {{"y", 3, 0}, {"weight", 3, 1u << 20}};
+    msgpack_sbuffer sb;
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_map(&pk, 1);
+    pb_pack_into(&pk, into, 2);
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    assert_int_equal(msgpack_unpack_next(&up, sb.data, sb.size, &off), MSGPACK_UNPACK_SUCCESS);
+    assert_int_equal(off, sb.size);
+    const msgpack_object *m = pb_obj_get(&up.data, "into");
+    assert_non_null(m);
+    assert_int_equal(m->type, MSGPACK_OBJECT_MAP);
+    assert_int_equal(m->via.map.size, 2);
+    for (int i = 0; i < 2; i++) {
+        const msgpack_object *t = pb_obj_get(m, into[i].name);
+        uint64_t b = 0, o = 0;
+        assert_non_null(t);
+        assert_int_equal(t->via.map.size, 2);
+        assert_int_equal(pb_obj_uint(pb_obj_get(t, "buffer"), &b), 0);
+        assert_int_equal(pb_obj_uint(pb_obj_get(t, "offset"), &o), 0);
+        assert_int_equal(b, into[i].buffer);
+        assert_int_equal(o, into[i].offset);
+    }
+    msgpack_unpacked_destroy(&up);
+    msgpack_sbuffer_destroy(&sb);
+}
+
 static void test_tensor_roundtrip(void **state)
 {
     (void)state;
@@ -849,6 +883,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_obj_path),
         cmocka_unit_test(test_tensor_roundtrip),
+        cmocka_unit_test(test_pack_into),
         cmocka_unit_test(test_socket_path),
         cmocka_unit_test(test_recv_partial),
         cmocka_unit_test(test_recv_two_in_one_read),

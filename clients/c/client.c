@@ -862,6 +862,22 @@ void pb_pack_kv_str(msgpack_packer *pk, const char *key, const char *val)
     pb_pack_str(pk, val);
 }
 
+void pb_pack_into(msgpack_packer *pk, const pb_into_t *into, size_t n)
+{
+    if (pk == NULL)
+        return;
+    pb_pack_str(pk, "into");
+    msgpack_pack_map(pk, into ? n : 0);
+    for (size_t i = 0; into && i < n; i++) {
+        pb_pack_str(pk, into[i].name);
+        msgpack_pack_map(pk, 2);
+        pb_pack_str(pk, "buffer");
+        msgpack_pack_uint64(pk, into[i].buffer);
+        pb_pack_str(pk, "offset");
+        msgpack_pack_uint64(pk, into[i].offset);
+    }
+}
+
 void pb_pack_tensor(msgpack_packer *pk, const pb_ctensor_t *t)
 {
     if (pk == NULL)

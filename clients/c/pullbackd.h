@@ -250,6 +250,19 @@ PB_CLIENT_API void pb_pack_str(msgpack_packer *pk, const char *s);
 /* One map entry: key and val as str. */
 PB_CLIENT_API void pb_pack_kv_str(msgpack_packer *pk, const char *key, const char *val);
 
+/* One target of a request's `into` (PROTOCOL section 6): the output (for
+ * forward and augmented_forward) or gradient (for reverse) called name is
+ * written into the registered buffer at byte offset, not returned. */
+typedef struct pb_into {
+    const char *name;
+    uint64_t buffer;
+    uint64_t offset;
+} pb_into_t;
+
+/* One params-map entry: the key "into" and its map {name: {buffer,
+ * offset}} of n targets (count it in the params map's size). */
+PB_CLIENT_API void pb_pack_into(msgpack_packer *pk, const pb_into_t *into, size_t n);
+
 #ifdef __cplusplus
 }
 #endif

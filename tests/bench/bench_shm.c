@@ -57,16 +57,8 @@ static uint32_t send_transpose(pb_client_t *c, const pb_ctensor_t *A, uint64_t b
     msgpack_pack_array(pk, 2);
     msgpack_pack_uint64(pk, 1);
     msgpack_pack_uint64(pk, 0);
-    if (buffer) {
-        pb_pack_str(pk, "into");
-        msgpack_pack_map(pk, 1);
-        pb_pack_str(pk, "C");
-        msgpack_pack_map(pk, 2);
-        pb_pack_str(pk, "buffer");
-        msgpack_pack_uint64(pk, buffer);
-        pb_pack_str(pk, "offset");
-        msgpack_pack_uint64(pk, offset);
-    }
+    if (buffer)
+        pb_pack_into(pk, &(pb_into_t){"C", buffer, offset}, 1);
     uint32_t id;
     if (pb_client_send(c, &id) != 0)
         die("send failed", NULL);
