@@ -5,6 +5,7 @@
 #define PB_BENCH_DAEMON_H
 
 #include <errno.h>
+#include <stdbool.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -48,6 +49,33 @@ typedef struct daemon {
     char sock[128];
 } daemon_t;
 
+/* Daemons started and not yet stopped: stopped by exit() too, so that a
+ * benchmark that dies (exit(1) on a failed check) leaves none behind. */
+#define BENCH_MAX_DAEMONS 4
+static daemon_t *bench_running[BENCH_MAX_DAEMONS];
+static void daemon_stop(daemon_t *d);
+
+static void bench_stop_all(void)
+{
+    for (int i = 0; i < BENCH_MAX_DAEMONS; i++)
+        if (bench_running[i])
+            daemon_stop(bench_running[i]);
+}
+
+static void bench_track(daemon_t *d, bool on)
+{
+    static bool registered;
+    if (!registered && on) {
+        atexit(bench_stop_all);
+        registered = true;
+    }
+    for (int i = 0; i < BENCH_MAX_DAEMONS; i++)
+        if (on ? bench_running[i] == NULL : bench_running[i] == d) {
+            bench_running[i] = on ? d : NULL;
+            return;
+        }
+}
+
 static int daemon_start(daemon_t *d, const char *bin, const char *const *extra)
 {
     snprintf(d->dir, sizeof d->dir, "/tmp/pbbench.XXXXXX");
@@ -72,6 +100,7 @@ static int daemon_start(daemon_t *d, const char *bin, const char *const *extra)
         fprintf(stderr, "bench: cannot run %s: %s\n", bin, strerror(errno));
         _exit(127);
     }
+    bench_track(d, true);
     uint64_t deadline = now_ns() + 10000000000ull;
     while (now_ns() < deadline) {
         int st;
@@ -91,6 +120,7 @@ static int daemon_start(daemon_t *d, const char *bin, const char *const *extra)
 
 static void daemon_stop(daemon_t *d)
 {
+    bench_track(d, false);
     if (d->pid > 0) {
         kill(d->pid, SIGTERM);
         uint64_t deadline = now_ns() + 10000000000ull;

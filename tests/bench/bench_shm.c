@@ -27,6 +27,8 @@
 #include "bench_util.h"
 #include "pullbackd.h"
 
+static daemon_t dmn; /* stopped at the end, or by exit() (bench_daemon.h) */
+
 static _Noreturn void die(const char *what, const char *detail)
 {
     fprintf(stderr, "bench_shm: %s%s%s\n", what, detail ? ": " : "", detail ? detail : "");
@@ -158,19 +160,18 @@ int main(int argc, char **argv)
     }
     if (bin == NULL)
         bin = PB_BENCH_DAEMON;
-    daemon_t d;
-    int rc = daemon_start(&d, bin, NULL);
+    int rc = daemon_start(&dmn, bin, NULL);
     if (rc != 0)
         die("cannot start the daemon", strerror(-rc));
     pb_client_t *c = NULL;
-    if (pb_client_connect(d.sock, &c) != 0)
-        die("cannot connect", d.sock);
+    if (pb_client_connect(dmn.sock, &c) != 0)
+        die("cannot connect", dmn.sock);
     static const size_t full[] = {256, 1024, 2048}, fast[] = {256, 512};
     const size_t *ns = quick ? fast : full;
     size_t nn = quick ? 2 : 3;
     for (size_t i = 0; i < nn; i++)
         bench(c, ns[i], quick ? 3 : ns[i] >= 2048 ? 5 : 9);
     pb_client_close(c);
-    daemon_stop(&d);
+    daemon_stop(&dmn);
     return 0;
 }
