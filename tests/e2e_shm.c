@@ -33,45 +33,34 @@
 #include <cmocka.h>
 
 #include "pullbackd.h"
+#include "test_daemon.h"
 
 static const char *daemon_bin;
-static char dir[48];
-static char sock_path[100];
-static pid_t dpid;
+static daemon_t dmn; /* the suite's daemon (test_daemon.h) */
 
 #define MAX_BUFFERS 4
 #define MIB ((size_t)1 << 20)
 
 /* ---- the daemon ------------------------------------------------------------ */
 
-static int try_connect(const char *path)
-{
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    struct sockaddr_un a = {.sun_family = AF_UNIX};
-    snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
-    int rc = connect(fd, (struct sockaddr *)&a, sizeof a);
-    close(fd);
-    return rc;
-}
-
 static pb_client_t *conn(void)
 {
     pb_client_t *c = NULL;
-    assert_int_equal(pb_client_connect(sock_path, &c), 0);
+    assert_int_equal(pb_client_connect(dmn.sock, &c), 0);
     return c;
 }
 
 static bool daemon_alive(void)
 {
     int st;
-    return waitpid(dpid, &st, WNOHANG) == 0;
+    return waitpid(dmn.pid, &st, WNOHANG) == 0;
 }
 
 /* Lines of the daemon's /proc maps that name needle. */
 static int count_maps(const char *needle)
 {
     char path[64], line[512];
-    snprintf(path, sizeof path, "/proc/%d/maps", (int)dpid);
+    snprintf(path, sizeof path, "/proc/%d/maps", (int)dmn.pid);
     FILE *f = fopen(path, "r");
     assert_non_null(f);
     int n = 0;
@@ -85,7 +74,7 @@ static int count_maps(const char *needle)
 static int count_fds(void)
 {
     char path[64];
-    snprintf(path, sizeof path, "/proc/%d/fd", (int)dpid);
+    snprintf(path, sizeof path, "/proc/%d/fd", (int)dmn.pid);
     DIR *d = opendir(path);
     assert_non_null(d);
     int n = 0;
@@ -1333,18 +1322,12 @@ static void sigbus(void **state)
 static void foreign_sigbus(void **state)
 {
     (void)state;
-    char path[100];
-    snprintf(path, sizeof path, "%s/other.sock", dir);
-    pid_t pid = fork();
-    if (pid == 0) {
-        execl(daemon_bin, daemon_bin, "--socket", path, "--log-level", "error", "--workers", "1", (char *)NULL);
-        _exit(127);
-    }
-    int i = 0;
-    while (try_connect(path) != 0 && i++ < 500)
-        sleep_ms(10);
+    daemon_t d;
+    static const char *const extra[] = {"--workers", "1", NULL};
+    assert_int_equal(daemon_start(&d, daemon_bin, extra), 0);
+    pid_t pid = d.pid;
     pb_client_t *c = NULL;
-    assert_int_equal(pb_client_connect(path, &c), 0);
+    assert_int_equal(pb_client_connect(d.sock, &c), 0);
     shm_t s = shm_new(4096);
     reg_ok(c, s.fd, s.size); /* the handler is in place from here on */
     assert_int_equal(kill(pid, SIGBUS), 0);
@@ -1356,10 +1339,11 @@ static void foreign_sigbus(void **state)
             sleep_ms(10);
     }
     if (got == 0) { /* swallowed: the daemon lives on */
-        kill(pid, SIGKILL);
-        waitpid(pid, &st, 0);
+        daemon_stop(&d);
         fail_msg("the daemon survived a SIGBUS that was not about a buffer");
     }
+    d.pid = 0; /* reaped: daemon_stop only cleans up */
+    daemon_stop(&d);
     assert_true(WIFSIGNALED(st));
     assert_true(WTERMSIG(st) == SIGBUS || WTERMSIG(st) == SIGABRT);
     pb_client_close(c);
@@ -1369,38 +1353,16 @@ static void foreign_sigbus(void **state)
 static int setup(void **state)
 {
     (void)state;
-    snprintf(dir, sizeof dir, "/tmp/pbshm.XXXXXX");
-    if (mkdtemp(dir) == NULL)
-        return -1;
-    snprintf(sock_path, sizeof sock_path, "%s/shm.sock", dir);
-    dpid = fork();
-    if (dpid == 0) {
-        execl(daemon_bin, daemon_bin, "--socket", sock_path, "--log-level", "warning", "--workers", "2",
-              "--max-buffers-per-connection", "4", "--max-buffer-bytes-per-connection", "16M", (char *)NULL);
-        _exit(127);
-    }
-    for (int i = 0; i < 500; i++) {
-        if (try_connect(sock_path) == 0)
-            return 0;
-        if (!daemon_alive())
-            return -1;
-        sleep_ms(10);
-    }
-    return -1;
+    static const char *const extra[] = {"--workers", "2", "--max-buffers-per-connection", "4",
+                                        "--max-buffer-bytes-per-connection", "16M", NULL};
+    return daemon_start(&dmn, daemon_bin, extra) == 0 ? 0 : -1;
 }
 
+/* exit 0 on SIGTERM: nothing crashed, nothing leaked under ASan */
 static int teardown(void **state)
 {
     (void)state;
-    int st = 0;
-    kill(dpid, SIGTERM);
-    waitpid(dpid, &st, 0);
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0)
-        return -1;
-    /* exit 0 on SIGTERM: nothing crashed, nothing leaked under ASan */
-    return WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
+    return daemon_stop(&dmn);
 }
 
 int main(int argc, char **argv)

@@ -49,7 +49,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_daemon.h"
+#include "../test_daemon.h"
 #include "pullbackd.h"
 
 

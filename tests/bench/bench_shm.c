@@ -23,11 +23,11 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#include "bench_daemon.h"
+#include "../test_daemon.h"
 #include "bench_util.h"
 #include "pullbackd.h"
 
-static daemon_t dmn; /* stopped at the end, or by exit() (bench_daemon.h) */
+static daemon_t dmn; /* stopped at the end, or by exit() (test_daemon.h) */
 
 static _Noreturn void die(const char *what, const char *detail)
 {

@@ -67,7 +67,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_daemon.h"
+#include "../test_daemon.h"
 #include "pullbackd.h"
 
 #define TARGET_HELLO 150000.0

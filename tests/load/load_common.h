@@ -2,7 +2,7 @@
  * answers are computed here (the reference), packing them, checking a
  * reply against its request, the daemon's resident memory and its stats.
  * Static functions, one copy per program; the private daemon itself comes
- * from tests/bench/bench_daemon.h.
+ * from tests/test_daemon.h.
  *
  * Glossary
  *   case      one op call with fixed inputs: fused_dense (f64 or f32, a few
@@ -26,7 +26,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 
-#include "bench_daemon.h"
+#include "test_daemon.h"
 #include "pullbackd.h"
 
 #define LC_MAX_IN 3

@@ -1,8 +1,8 @@
-/* Starting and stopping a private pullbackd for a benchmark: a fresh
- * mkdtemp directory, the daemon on a socket there, SIGTERM at the end.
- * Shared by the benchmark programs; static functions, one copy each. */
-#ifndef PB_BENCH_DAEMON_H
-#define PB_BENCH_DAEMON_H
+/* Starting and stopping a private pullbackd for a benchmark or an end-to-
+ * end test: a fresh mkdtemp directory, the daemon on a socket there,
+ * SIGTERM at the end.  Static functions, one copy per program. */
+#ifndef PB_TEST_DAEMON_H
+#define PB_TEST_DAEMON_H
 
 #include <errno.h>
 #include <stdbool.h>
@@ -50,28 +50,28 @@ typedef struct daemon {
 } daemon_t;
 
 /* Daemons started and not yet stopped: stopped by exit() too, so that a
- * benchmark that dies (exit(1) on a failed check) leaves none behind. */
-#define BENCH_MAX_DAEMONS 4
-static daemon_t *bench_running[BENCH_MAX_DAEMONS];
-static void daemon_stop(daemon_t *d);
+ * program that dies (exit(1) on a failed check) leaves none behind. */
+#define TEST_MAX_DAEMONS 4
+static daemon_t *daemon_running[TEST_MAX_DAEMONS];
+static int daemon_stop(daemon_t *d);
 
-static void bench_stop_all(void)
+static void daemon_stop_all(void)
 {
-    for (int i = 0; i < BENCH_MAX_DAEMONS; i++)
-        if (bench_running[i])
-            daemon_stop(bench_running[i]);
+    for (int i = 0; i < TEST_MAX_DAEMONS; i++)
+        if (daemon_running[i])
+            daemon_stop(daemon_running[i]);
 }
 
-static void bench_track(daemon_t *d, bool on)
+static void daemon_track(daemon_t *d, bool on)
 {
     static bool registered;
     if (!registered && on) {
-        atexit(bench_stop_all);
+        atexit(daemon_stop_all);
         registered = true;
     }
-    for (int i = 0; i < BENCH_MAX_DAEMONS; i++)
-        if (on ? bench_running[i] == NULL : bench_running[i] == d) {
-            bench_running[i] = on ? d : NULL;
+    for (int i = 0; i < TEST_MAX_DAEMONS; i++)
+        if (on ? daemon_running[i] == NULL : daemon_running[i] == d) {
+            daemon_running[i] = on ? d : NULL;
             return;
         }
 }
@@ -97,10 +97,10 @@ static int daemon_start(daemon_t *d, const char *bin, const char *const *extra)
         return -errno;
     if (d->pid == 0) {
         execv(bin, (char *const *)argv);
-        fprintf(stderr, "bench: cannot run %s: %s\n", bin, strerror(errno));
+        fprintf(stderr, "test_daemon: cannot run %s: %s\n", bin, strerror(errno));
         _exit(127);
     }
-    bench_track(d, true);
+    daemon_track(d, true);
     uint64_t deadline = now_ns() + 10000000000ull;
     while (now_ns() < deadline) {
         int st;
@@ -118,26 +118,32 @@ static int daemon_start(daemon_t *d, const char *bin, const char *const *extra)
     return -ETIMEDOUT;
 }
 
-static void daemon_stop(daemon_t *d)
+/* SIGTERM, wait (SIGKILL after 10 s), remove the socket and directory.
+ * 0 when the daemon exited with status 0 (nothing crashed, and under ASan
+ * nothing leaked) or had already been reaped (pid 0), else -1. */
+static int daemon_stop(daemon_t *d)
 {
-    bench_track(d, false);
+    int rc = 0;
+    daemon_track(d, false);
     if (d->pid > 0) {
         kill(d->pid, SIGTERM);
         uint64_t deadline = now_ns() + 10000000000ull;
-        int st;
+        int st = 0;
         while (waitpid(d->pid, &st, WNOHANG) == 0) {
             if (now_ns() > deadline) {
-                fprintf(stderr, "bench: daemon ignored SIGTERM for 10 s; killing it\n");
+                fprintf(stderr, "test_daemon: daemon ignored SIGTERM for 10 s; killing it\n");
                 kill(d->pid, SIGKILL);
                 waitpid(d->pid, &st, 0);
                 break;
             }
             usleep(5000);
         }
+        rc = WIFEXITED(st) && WEXITSTATUS(st) == 0 ? 0 : -1;
         d->pid = 0;
     }
     unlink(d->sock);
     rmdir(d->dir);
+    return rc;
 }
 
 #endif
