@@ -152,18 +152,28 @@ static void expect_quiet(pb_client_t *mon, const char *after)
 
 /* ---- killed children -------------------------------------------------------- */
 
+/* A child that cannot go on says why (the parent then reports it missing). */
+static _Noreturn void child_gives_up(const char *why, const char *detail)
+{
+    fprintf(stderr, "killed: child %d gives up: %s%s%s\n", (int)getpid(), why, detail ? ": " : "",
+            detail ? detail : "");
+    _exit(1);
+}
+
 /* In the child: make tapes, say so on ready, then pipeline until killed.
  * Child `half` also writes the first half of a 1 MiB message first. */
 static _Noreturn void child_main(int ready, bool half)
 {
     pb_client_t *c = NULL;
     if (pb_client_connect(cfg.d.sock, &c) < 0)
-        _exit(1);
+        child_gives_up("cannot connect", NULL);
     for (int i = 0; i < 20; i++) {
         pb_reply_t r;
         lc_begin_call(c, &lc_cases[i % LC_NCASES], true);
-        if (pb_client_call(c, &r) < 0 || r.error != NULL)
-            _exit(1);
+        if (pb_client_call(c, &r) < 0)
+            child_gives_up("connection lost", NULL);
+        if (r.error != NULL)
+            child_gives_up(pb_reply_code(&r), pb_reply_message(&r));
         pb_reply_free(&r);
     }
     if (half) {
