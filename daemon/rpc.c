@@ -136,8 +136,8 @@ static int get_handle(const msgpack_object *params, uint64_t *h, pb_err_t *err)
     const msgpack_object *o = pb__obj_get(params, "tape");
     if (o == NULL)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "tape", "missing tape (the handle from augmented_forward)");
-    if (!pb__obj_uint(o, h))
-        return pb_err_set(err, PB_EINVALID_ARGUMENT, "tape", "tape must be a uint64 handle");
+    if (!pb__obj_handle(o, h))
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "tape", "tape must be an integer handle");
     return 0;
 }
 
@@ -826,8 +826,8 @@ static void release_common(pb_req_t *r, const msgpack_object *params)
     const msgpack_object *h = pb__obj_get(params, "tape");
     if (rc == 0 && h == NULL)
         rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "missing tape");
-    if (rc == 0 && !pb__obj_uint(h, &r->handle))
-        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "tape must be a uint64 handle");
+    if (rc == 0 && !pb__obj_handle(h, &r->handle))
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "tape must be an integer handle");
     if (rc)
         return fail(r, rc);
     r->is_release = true;
@@ -944,7 +944,7 @@ static void m_unregister(pb_req_t *r, const msgpack_object *params, pb_storage_t
     static const char *const keys[] = {"buffer", NULL};
     uint64_t id = 0;
     int rc = pb_request_check_keys(params, keys, &r->err);
-    if (rc == 0 && !pb__obj_uint(pb__obj_get(params, "buffer"), &id))
+    if (rc == 0 && !pb__obj_handle(pb__obj_get(params, "buffer"), &id))
         rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "buffer", "buffer must be the id register_buffer returned");
     if (rc == 0)
         rc = pb_buffers_unregister(&r->conn->buffers, id, &r->err);

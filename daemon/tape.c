@@ -4,14 +4,20 @@
 #include <string.h>
 #include <sys/random.h>
 
-/* splitmix64's finaliser: a bijection on 64 bits. */
-static uint64_t mix(uint64_t x)
+/* A keyed bijection on 53 bits (xorshift-multiply rounds, each invertible
+ * modulo 2^53): handles stay exact in a double, so JavaScript, Lua and
+ * JSON-based clients send back the handle they were given. */
+#define H_BITS 53
+#define H_MASK ((UINT64_C(1) << H_BITS) - 1)
+#define SERIAL_BITS 40
+static uint64_t mix53(uint64_t x, uint64_t key)
 {
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ull;
+    x = (x ^ key) & H_MASK;
+    x ^= x >> 26;
+    x = (x * 0xbf58476d1ce4e5b9ull) & H_MASK;
     x ^= x >> 27;
-    x *= 0x94d049bb133111ebull;
-    x ^= x >> 31;
+    x = (x * 0x94d049bb133111ebull) & H_MASK;
+    x ^= x >> 26;
     return x;
 }
 
@@ -21,7 +27,7 @@ int pb_tapes_init(pb_tapes_t *t, size_t max_bytes, size_t max_bytes_per_uid)
     uint64_t r[2];
     if (getrandom(r, sizeof r, 0) != (ssize_t)sizeof r)
         return PB_EINTERNAL;
-    t->epoch = r[0] & 0xffffff;
+    t->epoch = r[0] & ((UINT64_C(1) << (H_BITS - SERIAL_BITS)) - 1);
     t->key = r[1];
     t->nbuckets = 1024;
     t->buckets = calloc(t->nbuckets, sizeof *t->buckets);
@@ -104,7 +110,7 @@ void pb_tapes_unreserve(pb_tapes_t *t, uid_t uid, size_t bytes)
 
 static size_t bucket(const pb_tapes_t *t, uint64_t h)
 {
-    return (size_t)(mix(h ^ 0x5851f42d4c957f2dull) & (t->nbuckets - 1));
+    return (size_t)(mix53(h, 0x5851f42d4c957f2dull) & (t->nbuckets - 1));
 }
 
 static void grow(pb_tapes_t *t)
@@ -143,7 +149,7 @@ pb_tape_t *pb_tapes_insert(pb_tapes_t *t, uid_t uid, size_t reserved, pb_tapedat
     uint64_t h;
     do {
         t->serial++;
-        h = mix(((t->epoch << 40) | (t->serial & ((1ull << 40) - 1))) ^ t->key);
+        h = mix53((t->epoch << SERIAL_BITS) | (t->serial & ((UINT64_C(1) << SERIAL_BITS) - 1)), t->key);
     } while (h == 0 || pb_tapes_find(t, h));
     tape->handle = h;
     tape->data = *data;

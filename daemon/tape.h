@@ -3,10 +3,11 @@
  * Glossary
  *   tape     the saved state of one augmented forward (pb_tapedata_t) plus
  *            its bookkeeping: owner, scope, uid, expiry, bytes.
- *   handle   the uint64 a client holds.  It is a keyed bijection of
- *            (random per-run epoch, serial), so handles are never reused
- *            within a run, look random, and a handle from another run or a
- *            forged one finds nothing (unknown_tape).
+ *   handle   the integer a client holds, in [1, 2^53 - 1] so that it is
+ *            exact in a double.  It is a keyed bijection on 53 bits of
+ *            (random 13-bit per-run epoch, 40-bit serial), so handles are
+ *            never reused within a run, look random, and a handle from
+ *            another run or a forged one finds nothing (unknown_tape).
  *   scope    connection: visible to and freed with its connection;
  *            peer: visible to every connection of the same uid, kept until
  *            used, released or expired.

@@ -29,6 +29,21 @@ bool pb__obj_uint(const msgpack_object *o, uint64_t *v)
     return true;
 }
 
+bool pb__obj_handle(const msgpack_object *o, uint64_t *v)
+{
+    if (pb__obj_uint(o, v))
+        return true;
+    /* A JavaScript or Lua client may send a handle back as a double: exact
+     * for every handle, which lies in [1, 2^53 - 1]. */
+    if (o == NULL || (o->type != MSGPACK_OBJECT_FLOAT64 && o->type != MSGPACK_OBJECT_FLOAT32))
+        return false;
+    double d = o->via.f64;
+    if (!(d >= 0 && d <= (double)PB_HANDLE_MAX) || d != (double)(uint64_t)d)
+        return false;
+    *v = (uint64_t)d;
+    return true;
+}
+
 bool pb__obj_number(const msgpack_object *o, double *v)
 {
     if (o == NULL)
@@ -86,7 +101,7 @@ int pb_buffer_view(const pb_resolver_t *res, const msgpack_object *buffer, const
                           what);
     if (offset == NULL)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: buffer needs offset (a byte offset into it)", what);
-    if (!pb__obj_uint(buffer, &b))
+    if (!pb__obj_handle(buffer, &b))
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
                           "%s: buffer must be the id register_buffer returned (a non-negative integer)", what);
     if (!pb__obj_uint(offset, &o))
@@ -192,16 +207,20 @@ int pb_tensor_decode_with(const msgpack_object *o, pb_storage_t *msg, const pb_r
         *t = r;
         return 0;
     }
-    if (data == NULL || data->type != MSGPACK_OBJECT_BIN)
+    /* Clients on the old msgpack spec (Neovim, msgpack's "raw" mode) send
+     * every byte string as str: the contract takes it as the same bytes. */
+    if (data == NULL || (data->type != MSGPACK_OBJECT_BIN && data->type != MSGPACK_OBJECT_STR))
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: data must be bin (little-endian values)", what);
-    if (data->via.bin.size != bytes)
+    const char *ptr = data->type == MSGPACK_OBJECT_BIN ? data->via.bin.ptr : data->via.str.ptr;
+    uint32_t len = data->type == MSGPACK_OBJECT_BIN ? data->via.bin.size : data->via.str.size;
+    if (len != bytes)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
-                          "%s: data holds %u bytes but shape and dtype need %zu", what, data->via.bin.size, bytes);
+                          "%s: data holds %u bytes but shape and dtype need %zu", what, len, bytes);
     const char *base = msg->ptr;
-    if (data->via.bin.size && (data->via.bin.ptr < base || data->via.bin.ptr + data->via.bin.size > base + msg->size))
+    if (len && (ptr < base || ptr + len > base + msg->size))
         return pb_err_set(err, PB_EINTERNAL, what, "%s: data outside the message", what);
     r.storage = pb_storage_ref(msg);
-    r.offset = data->via.bin.size ? (size_t)(data->via.bin.ptr - base) : 0;
+    r.offset = len ? (size_t)(ptr - base) : 0;
     *t = r;
     return 0;
 }

@@ -23,6 +23,10 @@ const msgpack_object *pb__obj_get(const msgpack_object *map, const char *key);
 bool pb__obj_is_str(const msgpack_object *o, const char *s);
 /* A uint that fits in uint64 (positive fixint or uint). */
 bool pb__obj_uint(const msgpack_object *o, uint64_t *v);
+/* Handles (tapes, buffers) are integers in [1, PB_HANDLE_MAX], exact in a
+ * double: a uint, or a float holding an integer, as JavaScript sends it. */
+#define PB_HANDLE_MAX ((UINT64_C(1) << 53) - 1)
+bool pb__obj_handle(const msgpack_object *o, uint64_t *v);
 /* Any number (int or float). */
 bool pb__obj_number(const msgpack_object *o, double *v);
 /* True when every byte of a str is valid UTF-8. */

@@ -291,7 +291,7 @@ def _handle(tape):
 class Tape:
     """A tape the daemon holds for a later reverse.
 
-    Attributes: ``handle`` (the uint64 handle), ``tape_bytes``, ``client``.
+    Attributes: ``handle`` (the integer handle, below 2**53), ``tape_bytes``, ``client``.
     When garbage-collected before it was consumed or released, it sends a
     ``release`` notification if its connection is still open.
     """

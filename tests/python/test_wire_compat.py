@@ -1,0 +1,183 @@
+"""Clients that nobody here wrote: handles exact in a double, bytes as str,
+and a general-purpose msgpack-RPC implementation (pynvim's) end to end.
+
+Raw requests go through the msgpack module, not the project's client, so
+that what is on the wire is exactly what the test says.
+"""
+
+import math
+import socket
+import unittest
+
+import msgpack
+import numpy as np
+
+from daemon_case import DaemonCase
+
+# W (2x2), x (2x2), b (2): the LuxLib seed case.
+W = np.array([[0.5, -1.0], [2.0, 0.25]])
+X = np.array([[1.0, 2.0], [-0.5, 0.75]])
+B = np.array([0.1, -0.2])
+YBAR = np.array([[1.0, -1.0], [0.5, 2.0]])
+
+
+def gelu(z):
+    return 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+
+
+def gelu_prime(z):
+    k = math.sqrt(2 / math.pi)
+    t = np.tanh(k * (z + 0.044715 * z ** 3))
+    return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * k * (1 + 3 * 0.044715 * z * z)
+
+
+def reference():
+    z = W @ X + B[:, None]
+    dz = YBAR * gelu_prime(z)
+    return gelu(z), {"weight": dz @ X.T, "x": W.T @ dz, "bias": dz.sum(axis=1)}
+
+
+def tensor(a, data_as_str=False):
+    # data_as_str only says what the caller means: a Packer with
+    # use_bin_type=False (msgpack's old spec, "raw") packs bytes as str.
+    del data_as_str
+    raw = np.ascontiguousarray(a, dtype="<f8").tobytes()
+    return {"dtype": "f64", "shape": list(a.shape), "data": raw}
+
+
+def array(t):
+    assert t["dtype"] == "f64"
+    return np.frombuffer(t["data"], dtype="<f8").reshape(t["shape"])
+
+
+class Raw:
+    """One connection that writes msgpack-RPC requests packed as told."""
+
+    def __init__(self, path, use_bin_type=True):
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.connect(path)
+        self.packer = msgpack.Packer(use_bin_type=use_bin_type)
+        self.unpacker = msgpack.Unpacker(raw=False)
+        self.msgid = 0
+
+    def call(self, method, params):
+        self.msgid += 1
+        self.sock.sendall(self.packer.pack([0, self.msgid, method, [params]]))
+        while True:
+            for msg in self.unpacker:
+                self.assert_reply(msg)
+                return msg[2], msg[3]
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("daemon closed the connection")
+            self.unpacker.feed(data)
+
+    def assert_reply(self, msg):
+        assert msg[0] == 1 and msg[1] == self.msgid, msg
+
+    def close(self):
+        self.sock.close()
+
+
+class WireCompatTest(DaemonCase):
+    def setUp(self):
+        self.raw = Raw(self.path)
+
+    def tearDown(self):
+        self.raw.close()
+
+    def augment(self, conn=None, data_as_str=False):
+        err, res = (conn or self.raw).call("augmented_forward", {
+            "op": "fused_dense", "options": {"act": "gelu"}, "wrt": ["weight", "x", "bias"],
+            "inputs": {"weight": tensor(W, data_as_str), "x": tensor(X, data_as_str), "bias": tensor(B, data_as_str)}})
+        self.assertIsNone(err)
+        return res
+
+    def check_reverse(self, handle, conn=None):
+        err, res = (conn or self.raw).call("reverse", {"tape": handle, "cotangents": {"y": tensor(YBAR)}})
+        self.assertIsNone(err, err)
+        _, want = reference()
+        for name, g in want.items():
+            np.testing.assert_allclose(array(res["gradients"][name]), g, rtol=1e-13, atol=1e-14, err_msg=name)
+
+    def test_handles_are_exact_in_a_double(self):
+        handles = set()
+        for _ in range(2000):
+            h = self.augment()["tape"]
+            self.assertIsInstance(h, int)
+            self.assertTrue(1 <= h <= 2 ** 53 - 1, h)
+            self.assertEqual(int(float(h)), h)
+            handles.add(h)
+        self.assertEqual(len(handles), 2000, "a handle was reused")
+        # They still look random: the top bits are used, not a counter.
+        self.assertGreater(max(handles), 2 ** 50)
+        for h in handles:
+            self.assertEqual(self.raw.call("release", {"tape": h}), (None, {"released": True}))
+
+    def test_handle_sent_back_as_a_double(self):
+        # JavaScript decodes every number into a double and sends one back.
+        h = self.augment()["tape"]
+        self.check_reverse(float(h))
+        err, res = self.raw.call("release", {"tape": float(h)})
+        self.assertEqual((err, res), (None, {"released": False}))
+        # A double that is no integer is no handle.
+        err, _ = self.raw.call("reverse", {"tape": 1.5, "cotangents": {}})
+        self.assertEqual(err["code"], "invalid_argument")
+        err, _ = self.raw.call("release", {"tape": -1.0})
+        self.assertEqual(err["code"], "invalid_argument")
+
+    def test_data_as_str(self):
+        # Old-spec clients send every byte string as str: the same bytes.
+        old = Raw(self.path, use_bin_type=False)
+        try:
+            res = self.augment(old, data_as_str=True)
+            y, _ = reference()
+            np.testing.assert_allclose(array(res["outputs"]["y"]), y, rtol=1e-13)
+            err, res2 = old.call("reverse", {"tape": res["tape"], "cotangents": {"y": tensor(YBAR, True)}})
+            self.assertIsNone(err, err)
+            _, want = reference()
+            for name, g in want.items():
+                np.testing.assert_allclose(array(res2["gradients"][name]), g, rtol=1e-13, atol=1e-14)
+            # A str of the wrong length is refused as a bin would be.
+            bad = tensor(W, True)
+            bad["data"] = bad["data"][:-1]
+            self.assertEqual(old.packer.pack(bad["data"])[0], 0xa0 | 31)  # fixstr: really a str
+            err, _ = old.call("forward", {"op": "fused_dense", "inputs": {"weight": bad, "x": tensor(X, True)}})
+            self.assertEqual(err["code"], "invalid_argument")
+            self.assertIn("bytes", err["message"])
+        finally:
+            old.close()
+
+
+class PynvimTest(DaemonCase):
+    """pynvim's msgpack-RPC session (Debian's python3-pynvim), as is."""
+
+    def test_seed_case(self):
+        try:
+            from pynvim.msgpack_rpc import socket_session
+        except ImportError:
+            raise unittest.SkipTest("python3-pynvim is not installed")
+        session = socket_session(self.path)
+        # What pynvim's Nvim wrapper would install: errors as exceptions.
+        session.error_wrapper = lambda err: RuntimeError(err)
+        try:
+            hello = session.request("hello", {})
+            self.assertEqual(hello["protocol"], 1)
+            res = session.request("augmented_forward", {
+                "op": "fused_dense", "options": {"act": "gelu"}, "wrt": ["weight", "x", "bias"],
+                "inputs": {"weight": tensor(W), "x": tensor(X), "bias": tensor(B)}})
+            y, want = reference()
+            np.testing.assert_allclose(array(res["outputs"]["y"]), y, rtol=1e-13)
+            g = session.request("reverse", {"tape": res["tape"], "cotangents": {"y": tensor(YBAR)}})["gradients"]
+            for name, ref in want.items():
+                np.testing.assert_allclose(array(g[name]), ref, rtol=1e-13, atol=1e-14, err_msg=name)
+            # An error comes back as an msgpack-RPC error, which pynvim raises.
+            with self.assertRaises(Exception) as cm:
+                session.request("reverse", {"tape": res["tape"], "cotangents": {}})
+            self.assertIn("unknown_tape", str(cm.exception))
+        finally:
+            session.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
