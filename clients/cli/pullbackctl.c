@@ -3,6 +3,7 @@
  * One subcommand per run, each a few requests over the C client library:
  *   status    hello + stats, as a table (or JSON)
  *   tapes     stats' tape counts and bytes, all uids and this one
+ *   metrics   the daemon's `metrics` text (Prometheus exposition format)
  *   ping      connect, then `hello` N times, with round-trip times
  *   drain     the admin `drain` method
  *   shutdown  the admin `shutdown` method, optionally waiting for the exit
@@ -49,6 +50,8 @@ static const char usage_text[] =
     "Commands:\n"
     "  status            uptime, connections, requests, tapes per uid, devices\n"
     "  tapes             tapes held and their bytes: all uids, and this uid\n"
+    "  metrics           the daemon's counters, histograms and gauges in the\n"
+    "                    Prometheus text format (per-uid figures for admins only)\n"
     "  ping              round-trip time of `hello` (see -c, -i)\n"
     "  drain             refuse new forward calls; reverse and release still served\n"
     "                    (uid 0 or the daemon's uid only)\n"
@@ -80,6 +83,8 @@ static const char usage_text[] =
     "  pullbackctl status\n"
     "  pullbackctl --socket /run/pullbackd/pullbackd.sock tapes\n"
     "  pullbackctl ping -c 10\n"
+    "  pullbackctl metrics > /var/lib/prometheus/node-exporter/pullbackd.prom.$$ &&\n"
+    "    mv /var/lib/prometheus/node-exporter/pullbackd.prom.$$ /var/lib/prometheus/node-exporter/pullbackd.prom\n"
     "  pullbackctl status --json | python3 -c 'import json,sys; print(json.load(sys.stdin)[\"tapes\"])'\n"
     "  pullbackctl ping -c 1 -t 2 >/dev/null 2>&1 || echo 'pullbackd is down'\n"
     "  sudo pullbackctl shutdown --wait --timeout 60\n";
@@ -477,6 +482,33 @@ static int cmd_tapes(ctl_t *x)
     return CTL_OK;
 }
 
+/* ---- metrics ----------------------------------------------------------------- */
+
+static int cmd_metrics(ctl_t *x)
+{
+    pb_reply_t m;
+    int rc = ctl_call(x, "metrics", &m);
+    if (rc)
+        return rc;
+    const msgpack_object *text = pb_obj_get(m.result, "text");
+    if (text == NULL || text->type != MSGPACK_OBJECT_STR) {
+        fprintf(stderr, "pullbackctl: metrics: no str 'text' in the daemon's answer\n");
+        pb_reply_free(&m);
+        return CTL_TRANSPORT;
+    }
+    if (x->json) {
+        pb_json_obj_t j;
+        json_head(&j, x);
+        pb__json_members(&j, m.result, NULL);
+        pb__json_close(&j);
+        fputc('\n', stdout);
+    } else {
+        fwrite(text->via.str.ptr, 1, text->via.str.size, stdout);
+    }
+    pb_reply_free(&m);
+    return CTL_OK;
+}
+
 /* ---- ping -------------------------------------------------------------------- */
 
 static int cmd_ping(ctl_t *x, double connect_ms)
@@ -700,16 +732,16 @@ int main(int argc, char **argv)
         }
     }
     if (optind >= argc)
-        return usage_error("no command given (status, tapes, ping, drain, shutdown)%s", "");
+        return usage_error("no command given (status, tapes, metrics, ping, drain, shutdown)%s", "");
     if (optind + 1 < argc)
         return usage_error("unexpected argument '%s' after the command", argv[optind + 1]);
     const char *cmd = argv[optind];
-    static const char *const cmds[] = {"status", "tapes", "ping", "drain", "shutdown", "help"};
+    static const char *const cmds[] = {"status", "tapes", "metrics", "ping", "drain", "shutdown", "help"};
     size_t k = 0;
     while (k < sizeof cmds / sizeof cmds[0] && strcmp(cmd, cmds[k]) != 0)
         k++;
     if (k == sizeof cmds / sizeof cmds[0])
-        return usage_error("unknown command '%s' (status, tapes, ping, drain, shutdown)", cmd);
+        return usage_error("unknown command '%s' (status, tapes, metrics, ping, drain, shutdown)", cmd);
     if (strcmp(cmd, "help") == 0) {
         fputs(usage_text, stdout);
         return CTL_OK;
@@ -737,6 +769,8 @@ int main(int argc, char **argv)
         rc = cmd_status(&x);
     else if (strcmp(cmd, "tapes") == 0)
         rc = cmd_tapes(&x);
+    else if (strcmp(cmd, "metrics") == 0)
+        rc = cmd_metrics(&x);
     else if (strcmp(cmd, "ping") == 0)
         rc = cmd_ping(&x, connect_ms);
     else
