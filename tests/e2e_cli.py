@@ -16,6 +16,7 @@ another user they are skipped.
 import json
 import os
 import pwd
+import re
 import shutil
 import socket
 import subprocess
@@ -71,7 +72,7 @@ class Usage(unittest.TestCase):
     def test_help(self):
         rc, out, err = ctl("--help")
         self.assertEqual(rc, 0)
-        for word in ("status", "tapes", "ping", "drain", "shutdown", "--json", "--socket",
+        for word in ("status", "tapes", "metrics", "ping", "drain", "shutdown", "--json", "--socket",
                      "Exit status", "Examples", "PULLBACKD_SOCKET", "RUNTIME_DIRECTORY", "XDG_RUNTIME_DIR"):
             self.assertIn(word, out)
         self.assertEqual(ctl("help")[0], 0)
@@ -200,12 +201,73 @@ class Running(DaemonCase):
         self.assertEqual(out.count("hello seq="), 2)
         self.assertIn("min/avg/max", out)
 
+    def test_metrics(self):
+        with pullbackd.Client(self.path) as c:
+            tapes = make_tapes(c, 2)
+            held = sum(t.tape_bytes for t in tapes)
+            with self.assertRaises(pullbackd.PullbackError):
+                c.call("reverse", {"tape": 12345, "cotangents": {}})
+            rc, out, err = ctl("metrics", env={"PULLBACKD_SOCKET": self.path})
+            self.assertEqual(rc, 0, err)
+            check_promtool(self, out)
+            m = parse_metrics(out)
+            self.assertGreaterEqual(m['pullbackd_requests_total{method="augmented_forward",outcome="ok"}'], 2)
+            self.assertEqual(m['pullbackd_requests_total{method="reverse",outcome="unknown_tape"}'], 1)
+            self.assertEqual(m['pullbackd_request_duration_seconds_count{method="augmented_forward"}'],
+                             m['pullbackd_requests_total{method="augmented_forward",outcome="ok"}'])
+            self.assertEqual(m['pullbackd_request_duration_seconds_bucket{method="augmented_forward",le="+Inf"}'],
+                             m['pullbackd_request_duration_seconds_count{method="augmented_forward"}'])
+            self.assertEqual(m['pullbackd_tapes{device="cpu",scope="connection"}'], 2)
+            self.assertEqual(m['pullbackd_tape_bytes{device="cpu",scope="connection"}'], held)
+            self.assertEqual(m['pullbackd_tapes{device="cpu",scope="peer"}'], 0)
+            self.assertGreaterEqual(m["pullbackd_connections"], 2)
+            self.assertEqual(m["pullbackd_buffers"], 0)
+            self.assertEqual(m["pullbackd_buffer_bytes"], 0)
+            self.assertGreater(m["pullbackd_buffered_bytes"], 0)  # this metrics request's own message
+            self.assertGreaterEqual(m["pullbackd_worker_busy_seconds_total"], 0)
+            self.assertEqual(m["pullbackd_workers"], 2)
+            self.assertGreater(m["pullbackd_uptime_seconds"], 0)
+            # The caller is an admin (the daemon's own uid): per-uid figures.
+            self.assertEqual(m[f'pullbackd_peer_tapes{{uid="{os.getuid()}"}}'], 2)
+            self.assertEqual(m[f'pullbackd_peer_tape_bytes{{uid="{os.getuid()}"}}'], held)
+            # An unknown method is counted as "other", not as a new series.
+            with self.assertRaises(pullbackd.PullbackError):
+                c.call("no_such_method", {})
+            m = parse_metrics(ctl("metrics", env={"PULLBACKD_SOCKET": self.path})[1])
+            self.assertEqual(m['pullbackd_requests_total{method="other",outcome="unknown_method"}'], 1)
+            self.assertNotIn("no_such_method", out)
+            j = self.run_json("metrics")
+            self.assertTrue(j["text"].startswith("# HELP"))
+            for t in tapes:
+                t.release()
+
     @unittest.skipUnless(os.geteuid() == 0, "needs root to run as another uid")
     def test_socket_mode_denies(self):
         # The daemon's socket is 0660 in a 0700 folder: nobody may not connect.
         rc, out, err = ctl("--socket", self.path, "status", user="nobody")
         self.assertEqual(rc, 4, err)
         self.assertIn("permission denied", err)
+
+
+def check_promtool(case, text):
+    """promtool (Debian's prometheus package) accepts the exposition text."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        raise unittest.SkipTest("promtool not installed (Debian package prometheus)")
+    p = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    case.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+
+def parse_metrics(text):
+    """{'name{labels}': value} of every sample line."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line:
+            continue
+        m = re.fullmatch(r"(\S+(?:\{.*\})?) (\S+)", line)
+        assert m, line
+        out[m.group(1)] = float(m.group(2))
+    return out
 
 
 class OpenSocket(DaemonCase):
@@ -225,6 +287,22 @@ class OpenSocket(DaemonCase):
             self.assertEqual(rc, 4, err)
             self.assertEqual(json.loads(out)["error"]["code"], "permission_denied")
             self.assertIn("permission_denied", err)
+        # Per-uid figures are for admins: nobody sees the totals and its own.
+        with pullbackd.Client(self.path) as c:
+            tapes = make_tapes(c, 1)
+            rc, out, err = ctl("--socket", self.path, "status", "--json", user="nobody")
+            st = json.loads(out)
+            self.assertEqual(st["tapes"], 1)
+            self.assertEqual(st["peer_tapes"], 0)
+            self.assertEqual([p for p in st["peers"] if p["uid"] != nobody], [])
+            rc, out, err = ctl("--socket", self.path, "metrics", user="nobody")
+            self.assertEqual(rc, 0, err)
+            check_promtool(self, out)
+            self.assertNotIn("pullbackd_peer_", out)
+            self.assertEqual(parse_metrics(out)['pullbackd_tapes{device="cpu",scope="connection"}'], 1)
+            rc, out, err = ctl("--socket", self.path, "status", "--json")
+            self.assertEqual([p["uid"] for p in json.loads(out)["peers"]], [os.getuid()])
+            tapes[0].release()
         # Still serving new forward calls: nothing was drained.
         with pullbackd.Client(self.path) as c:
             c.forward("fused_dense", {"weight": np.eye(2), "x": np.ones((2, 1))})
