@@ -1,0 +1,136 @@
+"""bench_e2e: what a user of the Python client feels, against what the user
+would do instead, measured in the same run (issue 15's figures).
+
+  fused_dense   augmented_forward + reverse (gelu) through the socket with
+                pullbackd's Python client ÷ the same in PyTorch in process
+                (all its threads), f32 and f64, two sizes.
+  transpose     a 2048² f64 tensoradd transpose sent inline, round trip ÷
+                a copy of the same 64 MiB in memory (numpy).
+  alone/two     svd_vals of a 1024² f64 matrix alone ÷ two at once on two
+                connections.
+
+Starts its own daemon ($PULLBACKD_BIN, else build/daemon/pullbackd) unless
+PULLBACKD_SOCKET names a running one.  --quick for a short run.  Run with
+/usr/bin/python3 (Debian's numpy, msgpack and torch)."""
+
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "clients", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "python"))
+
+import numpy as np  # noqa: E402
+import pullbackd  # noqa: E402
+from daemon_case import wait_for_socket  # noqa: E402
+
+QUICK = "--quick" in sys.argv
+
+
+def best(fn, reps):
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def bench_fused_dense(c):
+    try:
+        import torch
+    except ImportError:
+        print("fused_dense: SKIPPED (no torch)")
+        return
+    print(f"{'fused_dense aug+rev gelu':32s} {'daemon ms':>10s} {'torch ms':>10s} {'ratio':>7s}")
+    for dtype, tdt in ((np.float32, torch.float32), (np.float64, torch.float64)):
+        for (n_out, n_in, batch) in ((1024, 1024, 256), (256, 256, 32)):
+            rng = np.random.default_rng(0)
+            W = rng.standard_normal((n_out, n_in)).astype(dtype)
+            x = rng.standard_normal((n_in, batch)).astype(dtype)
+            b = rng.standard_normal(n_out).astype(dtype)
+            dy = rng.standard_normal((n_out, batch)).astype(dtype)
+
+            def ours():
+                out, tape = c.augmented_forward("fused_dense", {"weight": W, "x": x, "bias": b},
+                                                wrt=["weight", "x", "bias"], options={"act": "gelu"})
+                c.reverse(tape, {"y": dy})
+
+            tW, tx, tb, tdy = (torch.tensor(a, requires_grad=a is not dy) for a in (W, x, b, dy))
+
+            def theirs():
+                y = torch.nn.functional.gelu(tW @ tx + tb[:, None])
+                gW, gx, gb = torch.autograd.grad(y, (tW, tx, tb), tdy)
+
+            reps = 3 if QUICK else 10
+            a, t = best(ours, reps), best(theirs, reps)
+            name = f"{np.dtype(dtype).name} ({n_out}, {n_in}, {batch})"
+            print(f"{name:32s} {a * 1e3:10.2f} {t * 1e3:10.2f} {a / t:7.2f}")
+
+
+def bench_transpose(c):
+    n = 1024 if QUICK else 2048
+    A = np.random.default_rng(1).standard_normal((n, n))
+    out = np.empty_like(A)
+
+    def ours():
+        c.forward("tensoradd", {"A": A}, options={"pA": [1, 0]})
+
+    def copy():
+        np.copyto(out, A)
+
+    a, t = best(ours, 3), best(copy, 5)
+    print(f"transpose {n}² f64 inline round trip {a * 1e3:.1f} ms, copy {t * 1e3:.1f} ms: ratio {a / t:.1f}")
+
+
+def bench_alone_two(path):
+    n = 512 if QUICK else 1024
+    A = np.random.default_rng(2).standard_normal((n, n))
+    clients = [pullbackd.Client(path), pullbackd.Client(path)]
+
+    def one(c):
+        c.forward("svd_vals", {"A": A})
+
+    alone = best(lambda: one(clients[0]), 3)
+
+    def two():
+        ts = [threading.Thread(target=one, args=(cl,)) for cl in clients]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+
+    both = best(two, 3)
+    for cl in clients:
+        cl.close()
+    print(f"svd_vals {n}² f64 alone {alone * 1e3:.0f} ms, two at once {both * 1e3:.0f} ms: "
+          f"alone/two {alone / both:.2f}")
+
+
+def main():
+    path = os.environ.get("PULLBACKD_SOCKET")
+    proc = None
+    if path is None:
+        d = tempfile.mkdtemp(prefix="pbbench")
+        path = os.path.join(d, "pullbackd.sock")
+        binary = os.environ.get("PULLBACKD_BIN", "build/daemon/pullbackd")
+        proc = subprocess.Popen([binary, "--socket", path, "--log-level", "warning"])
+        wait_for_socket(path, proc)
+    try:
+        with pullbackd.Client(path) as c:
+            bench_fused_dense(c)
+            bench_transpose(c)
+        bench_alone_two(path)
+    finally:
+        if proc:
+            proc.terminate()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()
