@@ -4,6 +4,8 @@ numpy arrays go in and come out. A C-contiguous array travels as order "C",
 an F-contiguous one as order "F" with its memory as it is (no copy), any
 other strided array as a C-contiguous copy; data is always little-endian.
 Arrays in replies are read-only views of the received bytes (zero copy);
+tensors of 64 KiB and more are sent from the arrays' own memory (sendmsg),
+and a reply of 1 MiB and more is received into one buffer of its size;
 call ``.copy()`` on one to write to it.
 
 Errors from the daemon raise PullbackError carrying the wire code. A Client
@@ -20,9 +22,11 @@ has outputs or gradients written into a buffer, returned as BufferTensor
 Needs Debian's python3-msgpack and python3-numpy (run it with /usr/bin/python3).
 """
 
+import array
 import mmap
 import os
 import socket
+import struct
 import threading
 import warnings
 
@@ -288,6 +292,159 @@ def _handle(tape):
     return tape.handle if isinstance(tape, Tape) else tape
 
 
+# -- streaming ----------------------------------------------------------------
+# Big tensors move without copies of our own: a message holding one is sent
+# with sendmsg from the arrays' own memory, and a big reply is received
+# straight into one buffer of its announced size, its tensors handed out as
+# views of that buffer.  Small messages keep msgpack's C packer/unpacker.
+
+_BIG = 1 << 16         # a bin at least this long is sent / received in place
+_BIG_MESSAGE = 1 << 20  # a reply at least this long is decoded without copies
+_IOV_MAX = 1024
+
+
+def _has_big(obj):
+    if isinstance(obj, dict):
+        return any(_has_big(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_big(v) for v in obj)
+    return isinstance(obj, memoryview) and obj.nbytes >= _BIG
+
+
+def _pack_parts(msg):
+    """msg as a list of byte chunks: packed runs of small values, and the big
+    bins' headers followed by the arrays' own memory."""
+    packer = msgpack.Packer(autoreset=False)
+    parts = []
+
+    def walk(o):
+        if isinstance(o, dict):
+            packer.pack_map_header(len(o))
+            for k, v in o.items():
+                walk(k)
+                walk(v)
+        elif isinstance(o, (list, tuple)):
+            packer.pack_array_header(len(o))
+            for v in o:
+                walk(v)
+        elif isinstance(o, memoryview) and o.nbytes >= _BIG:
+            parts.append(packer.bytes() + struct.pack(">BI", 0xc6, o.nbytes))
+            packer.reset()
+            parts.append(o.cast("B") if o.format != "B" or o.ndim != 1 else o)
+        else:
+            packer.pack(o)
+
+    walk(msg)
+    parts.append(packer.bytes())
+    return parts
+
+
+def _sendmsg_all(sock, parts, fds=None):
+    """Send every chunk; fds ride (SCM_RIGHTS) with the first bytes."""
+    views = [memoryview(p) for p in parts if len(p)]
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    while views:
+        n = sock.sendmsg(views[:_IOV_MAX], anc)
+        anc = []
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8,
+          0xd0: 1, 0xd1: 2, 0xd2: 4, 0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+_LEN = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xd9: (1, 0), 0xda: (2, 0), 0xdb: (4, 0),
+        0xc7: (1, 1), 0xc8: (2, 1), 0xc9: (4, 1)}  # length bytes, extra type byte
+_LEN_FMT = {1: ">B", 2: ">H", 4: ">I"}
+
+
+def _scan(buf, pos, end):
+    """Walk one msgpack value of buf[pos:end] without decoding it: the end
+    offset of the value, or -(bytes needed at least) when it is not all
+    there yet.  Payloads are skipped, never read."""
+    pending = 1  # values still to walk
+    while pending:
+        if pos >= end:
+            return -(pos + 1)
+        b = buf[pos]
+        pending -= 1
+        if b <= 0x7f or b >= 0xe0:
+            pos += 1
+        elif 0x80 <= b <= 0x8f:
+            pending += 2 * (b & 0x0f)
+            pos += 1
+        elif 0x90 <= b <= 0x9f:
+            pending += b & 0x0f
+            pos += 1
+        elif 0xa0 <= b <= 0xbf:
+            pos += 1 + (b & 0x1f)
+        elif b in _FIXED:
+            pos += 1 + _FIXED[b]
+        elif b in _LEN:
+            nlen, ext = _LEN[b]
+            if pos + 1 + nlen > end:
+                return -(pos + 1 + nlen)
+            n = struct.unpack_from(_LEN_FMT[nlen], buf, pos + 1)[0]
+            pos += 1 + nlen + ext + n
+        elif b in (0xdc, 0xdd, 0xde, 0xdf):
+            nlen = 2 if b in (0xdc, 0xde) else 4
+            if pos + 1 + nlen > end:
+                return -(pos + 1 + nlen)
+            n = struct.unpack_from(_LEN_FMT[nlen], buf, pos + 1)[0]
+            pending += n * (2 if b >= 0xde else 1)
+            pos += 1 + nlen
+        else:
+            raise ConnectionError(f"pullbackd sent an invalid msgpack byte 0x{b:02x}")
+    return pos if pos <= end else -pos
+
+
+def _decode_inplace(view):
+    """Decode one msgpack value of view (a memoryview) whose big bins become
+    read-only memoryviews of it; everything else goes through msgpack."""
+    ro = view.toreadonly()
+
+    def value(pos):
+        b = view[pos]
+        if 0x80 <= b <= 0x8f or b in (0xde, 0xdf):
+            if b <= 0x8f:
+                n, pos = b & 0x0f, pos + 1
+            else:
+                nlen = 2 if b == 0xde else 4
+                n, pos = struct.unpack_from(_LEN_FMT[nlen], view, pos + 1)[0], pos + 1 + nlen
+            out = {}
+            for _ in range(n):
+                k, pos = value(pos)
+                v, pos = value(pos)
+                out[k] = v
+            return out, pos
+        if 0x90 <= b <= 0x9f or b in (0xdc, 0xdd):
+            if b <= 0x9f:
+                n, pos = b & 0x0f, pos + 1
+            else:
+                nlen = 2 if b == 0xdc else 4
+                n, pos = struct.unpack_from(_LEN_FMT[nlen], view, pos + 1)[0], pos + 1 + nlen
+            out = []
+            for _ in range(n):
+                v, pos = value(pos)
+                out.append(v)
+            return out, pos
+        if b in (0xc5, 0xc6):
+            nlen = 2 if b == 0xc5 else 4
+            n = struct.unpack_from(_LEN_FMT[nlen], view, pos + 1)[0]
+            start = pos + 1 + nlen
+            if n >= _BIG:
+                return ro[start:start + n], start + n
+        end = _scan(view, pos, len(view))
+        return msgpack.unpackb(view[pos:end], raw=False), end
+
+    obj, end = value(0)
+    return obj
+
+
 class Tape:
     """A tape the daemon holds for a later reverse.
 
@@ -334,7 +491,8 @@ class Client:
         except BaseException:
             self._sock.close()
             raise
-        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=2**32 - 1)
+        self._rbuf = bytearray(1 << 16)  # received bytes [_rpos, _rend) not yet decoded
+        self._rpos = self._rend = 0
         self._next_msgid = 1
         self._stash = {}  # msgid -> result or PullbackError, received out of turn
         self._write_lock = threading.Lock()
@@ -360,21 +518,21 @@ class Client:
         self.close()
 
     # -- transport -------------------------------------------------------
-    def _write(self, data, fds=None):
-        """Send one packed message, preceded by the releases of collected tapes.
+    def _write(self, msg, fds=None):
+        """Send one message, preceded by the releases of collected tapes.
 
-        fds ride as SCM_RIGHTS on the sendmsg that carries the message's first bytes.
+        fds ride as SCM_RIGHTS on the sendmsg that carries the message's first
+        bytes; big tensors go out from their own memory (_pack_parts).
         """
         if self._sock is None:
             raise ConnectionError("the client is closed")
+        parts = _pack_parts(msg) if _has_big(msg) else [msgpack.packb(msg)]
         with self._write_lock:
             self._send_releases()
-            if fds:
-                sent = socket.send_fds(self._sock, [data], list(fds))
-                if sent < len(data):
-                    self._sock.sendall(memoryview(data)[sent:])
+            if fds or len(parts) > 1:
+                _sendmsg_all(self._sock, parts, fds)
             else:
-                self._sock.sendall(data)
+                self._sock.sendall(parts[0])
 
     def _send_releases(self):
         """Send the deferred release notifications; the caller holds the write lock."""
@@ -400,32 +558,67 @@ class Client:
         """
         msgid = self._next_msgid
         self._next_msgid = (msgid + 1) & 0xFFFFFFFF or 1  # msgid 0 is the daemon's for parse errors
-        self._write(msgpack.packb([0, msgid, method, [params or {}]]), fds)
+        self._write([0, msgid, method, [params or {}]], fds)
         return msgid
 
     def notify(self, method, params=None):
         """Send a notification (no reply comes)."""
-        self._write(msgpack.packb([2, method, [params or {}]]))
+        self._write([2, method, [params or {}]])
+
+    def _fill(self, need):
+        """Receive until at least `need` bytes lie undecoded in the buffer.
+
+        The buffer is sized for the need once (a big reply arrives straight
+        into memory of its own size) and read into with recv_into."""
+        if self._sock is None:
+            raise ConnectionError("the client is closed")
+        have = self._rend - self._rpos
+        if self._rpos + need > len(self._rbuf):
+            size = max(need + (1 << 16), 1 << 16)
+            nb = bytearray(size) if size >= _BIG_MESSAGE else bytearray(max(size, 2 * len(self._rbuf)))
+            nb[:have] = memoryview(self._rbuf)[self._rpos:self._rend]
+            self._rbuf, self._rpos, self._rend = nb, 0, have
+        view = memoryview(self._rbuf)
+        while self._rend - self._rpos < need:
+            n = self._sock.recv_into(view[self._rend:])
+            if n == 0:
+                raise ConnectionError("pullbackd closed the connection")
+            self._rend += n
+
+    def _next_message(self):
+        """The next msgpack message off the socket."""
+        need = 1
+        while True:
+            if self._rend - self._rpos >= need:
+                end = _scan(self._rbuf, self._rpos, self._rend)
+                if end >= 0:
+                    start, self._rpos = self._rpos, end
+                    if end - start >= _BIG_MESSAGE:
+                        # The reply owns this buffer now: its arrays are views of it.
+                        buf, rest = self._rbuf, memoryview(self._rbuf)[end:self._rend]
+                        self._rbuf = bytearray(max(1 << 16, len(rest)))
+                        self._rbuf[:len(rest)] = rest
+                        self._rpos, self._rend = 0, len(rest)
+                        return _decode_inplace(memoryview(buf)[start:end])
+                    msg = msgpack.unpackb(memoryview(self._rbuf)[start:end], raw=False)
+                    if self._rpos == self._rend:
+                        self._rpos = self._rend = 0
+                    return msg
+                need = -end - self._rpos
+            self._fill(need)
 
     def _read_reply(self):
         """The next reply from the socket: (msgid, result or PullbackError)."""
-        while True:
-            for msg in self._unpacker:
-                if not (isinstance(msg, list) and len(msg) == 4 and msg[0] == 1):
-                    raise ConnectionError(f"pullbackd sent something that is not a response: {msg!r:.100}")
-                _, msgid, error, result = msg
-                if error is None:
-                    return msgid, result
-                if not isinstance(error, dict):
-                    return msgid, PullbackError("internal", repr(error))
-                details = {k: v for k, v in error.items() if k not in ("code", "message")}
-                return msgid, PullbackError(error.get("code"), error.get("message", ""), details)
-            if self._sock is None:
-                raise ConnectionError("the client is closed")
-            data = self._sock.recv(1 << 20)
-            if not data:
-                raise ConnectionError("pullbackd closed the connection")
-            self._unpacker.feed(data)
+        msg = self._next_message()
+        if not (isinstance(msg, list) and len(msg) == 4 and msg[0] == 1):
+            raise ConnectionError(f"pullbackd sent something that is not a response: {msg!r:.100}")
+        _, msgid, error, result = msg
+        if error is None:
+            return msgid, result
+        if not isinstance(error, dict):
+            return msgid, PullbackError("internal", repr(error))
+        details = {k: v for k, v in error.items() if k not in ("code", "message")}
+        return msgid, PullbackError(error.get("code"), error.get("message", ""), details)
 
     def recv(self):
         """The next reply, in arrival order: (msgid, result or PullbackError)."""

@@ -1,0 +1,89 @@
+"""python.stream: big tensors through the Python client's streaming path.
+
+Tensors of 64 KiB and more leave from the arrays' own memory (sendmsg) and
+replies of 1 MiB and more arrive into one buffer whose tensors are handed
+out as views; this checks that path byte for byte against numpy, around
+its size thresholds, with several big tensors in one message, in F order,
+complex, and pipelined between small requests.
+
+Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_stream.py
+"""
+
+import os
+import sys
+import unittest
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "clients", "python"))
+sys.path.insert(0, HERE)
+import pullbackd  # noqa: E402
+from daemon_case import DaemonCase  # noqa: E402
+
+
+class StreamTest(DaemonCase):
+    def setUp(self):
+        self.c = pullbackd.Client(self.path, timeout=60)
+        self.rng = np.random.default_rng(7)
+
+    def tearDown(self):
+        self.c.close()
+
+    def transpose(self, A):
+        return self.c.forward("tensoradd", {"A": A}, options={"pA": [1, 0]})["C"]
+
+    def test_sizes_around_thresholds(self):
+        # 8 bytes per f64: rows × 8 columns around 64 KiB and 1 MiB of data.
+        for n in (1, 1023, 1024, 1025, 131071, 131072, 131073, 200000):
+            A = self.rng.standard_normal((n, 8))
+            C = self.transpose(A)
+            self.assertEqual(C.shape, (8, n))
+            np.testing.assert_array_equal(C, A.T)
+            self.assertFalse(C.flags.writeable)
+
+    def test_dtypes_and_orders(self):
+        for dtype in (np.float32, np.float64, np.complex64, np.complex128):
+            A = self.rng.standard_normal((700, 600)).astype(dtype)
+            if np.iscomplexobj(A):
+                A = A + 1j * self.rng.standard_normal(A.shape).astype(dtype)
+            np.testing.assert_array_equal(self.transpose(A), A.T)
+            np.testing.assert_array_equal(self.transpose(np.asfortranarray(A)), A.T)
+            np.testing.assert_array_equal(self.transpose(A[::2, ::3]), A[::2, ::3].T)
+
+    def test_several_big_tensors_in_both_directions(self):
+        n = 600  # W 600² f64: 2.7 MiB; gradients of W and x both big
+        W = self.rng.standard_normal((n, n))
+        x = self.rng.standard_normal((n, 300))
+        b = self.rng.standard_normal(n)
+        out, tape = self.c.augmented_forward("fused_dense", {"weight": W, "x": x, "bias": b},
+                                             wrt=["weight", "x", "bias"], options={"act": "identity"})
+        np.testing.assert_allclose(out["y"], W @ x + b[:, None], rtol=1e-12, atol=1e-10)
+        dy = self.rng.standard_normal((n, 300))
+        g = self.c.reverse(tape, {"y": dy})
+        np.testing.assert_allclose(g["weight"], dy @ x.T, rtol=1e-12, atol=1e-10)
+        np.testing.assert_allclose(g["x"], W.T @ dy, rtol=1e-12, atol=1e-10)
+        np.testing.assert_allclose(g["bias"], dy.sum(axis=1), rtol=1e-12, atol=1e-10)
+
+    def test_pipelined(self):
+        big = self.rng.standard_normal((1000, 700))
+        small = self.rng.standard_normal((3, 2))
+        ids = []
+        for k in range(6):
+            A = big if k % 2 else small
+            ids.append((self.c.send("forward", {"op": "tensoradd", "inputs": {"A": pullbackd.encode_tensor(A)},
+                                                "options": {"pA": [1, 0]}}), A))
+        for msgid, A in reversed(ids):  # out of arrival order: stashed, then taken
+            C = pullbackd.decode_tensor(self.c.wait(msgid)["outputs"]["C"])
+            np.testing.assert_array_equal(C, A.T)
+
+    def test_results_outlive_later_replies(self):
+        A = self.rng.standard_normal((512, 512))
+        first = self.transpose(A)
+        for _ in range(3):
+            self.transpose(self.rng.standard_normal((512, 512)))
+        np.testing.assert_array_equal(first, A.T)
+
+
+if __name__ == "__main__":
+    unittest.main()
