@@ -4,9 +4,9 @@ numpy arrays go in and come out. A C-contiguous array travels as order "C",
 an F-contiguous one as order "F" with its memory as it is (no copy), any
 other strided array as a C-contiguous copy; data is always little-endian.
 Arrays in replies are read-only views of the received bytes (zero copy);
-tensors of 64 KiB and more are sent from the arrays' own memory (sendmsg),
-and a reply of 1 MiB and more is received into one buffer of its size;
-call ``.copy()`` on one to write to it.
+call ``.copy()`` on one to write to it. Tensors of 64 KiB and more are sent
+from the arrays' own memory (sendmsg), and a reply of 1 MiB and more is
+received straight into one buffer of its size.
 
 Errors from the daemon raise PullbackError carrying the wire code. A Client
 is one connection and is not thread-safe; only the release notification a
