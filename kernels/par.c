@@ -1,0 +1,117 @@
+#include "par.h"
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+
+typedef struct task {
+    pb_par_fn fn;
+    void *ctx;
+    long n, chunk;       /* [0, n) in chunks of `chunk` */
+    long nchunks;
+    atomic_long next;    /* next chunk to claim */
+    int helpers;         /* helpers inside; under board_lock */
+    struct task *next_task;
+} task_t;
+
+static pthread_mutex_t board_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t board_left = PTHREAD_COND_INITIALIZER; /* a helper left a task */
+static task_t *board;            /* published tasks, newest first */
+static atomic_int published;     /* tasks on the board */
+static pb_par_backend_t backend; /* .idle == NULL: none */
+static atomic_ullong ntasks, nhelped;
+
+void pb_par_set_backend(const pb_par_backend_t *b)
+{
+    pthread_mutex_lock(&board_lock);
+    if (b)
+        backend = *b;
+    else
+        backend = (pb_par_backend_t){0};
+    pthread_mutex_unlock(&board_lock);
+}
+
+int pb_par_pending(void)
+{
+    return atomic_load_explicit(&published, memory_order_acquire) > 0;
+}
+
+void pb_par_counts(unsigned long long *tasks, unsigned long long *helped)
+{
+    *tasks = atomic_load(&ntasks);
+    *helped = atomic_load(&nhelped);
+}
+
+/* Claim and run chunks of t until none is left; the number run. */
+static long run_chunks(task_t *t)
+{
+    long done = 0;
+    for (;;) {
+        long i = atomic_fetch_add(&t->next, 1);
+        if (i >= t->nchunks)
+            return done;
+        long lo = i * t->chunk, hi = lo + t->chunk < t->n ? lo + t->chunk : t->n;
+        t->fn(t->ctx, lo, hi);
+        done++;
+    }
+}
+
+void pb_par_help(void)
+{
+    for (;;) {
+        pthread_mutex_lock(&board_lock);
+        task_t *t = board;
+        while (t && atomic_load(&t->next) >= t->nchunks)
+            t = t->next_task;
+        if (t)
+            t->helpers++;
+        pthread_mutex_unlock(&board_lock);
+        if (t == NULL)
+            return;
+        long done = run_chunks(t);
+        atomic_fetch_add(&nhelped, (unsigned long long)done);
+        pthread_mutex_lock(&board_lock);
+        if (--t->helpers == 0)
+            pthread_cond_broadcast(&board_left);
+        pthread_mutex_unlock(&board_lock);
+    }
+}
+
+void pb_par_for(long n, long grain, pb_par_fn fn, void *ctx)
+{
+    if (n <= 0)
+        return;
+    if (grain < 1)
+        grain = 1;
+    pb_par_backend_t b = backend;
+    int idle = n > grain && b.idle ? b.idle(b.arg) : 0;
+    long most = n / grain; /* chunks of at least grain */
+    if (idle <= 0 || most < 2) {
+        fn(ctx, 0, n);
+        return;
+    }
+    /* One chunk for this thread and one per idle thread: a chunk per
+     * thread keeps each GEMM piece as large as possible. */
+    long nchunks = idle + 1L < most ? idle + 1L : most;
+    task_t t = {.fn = fn, .ctx = ctx, .n = n, .chunk = (n + nchunks - 1) / nchunks};
+    t.nchunks = (n + t.chunk - 1) / t.chunk;
+    atomic_init(&t.next, 0);
+    pthread_mutex_lock(&board_lock);
+    t.next_task = board;
+    board = &t;
+    atomic_fetch_add_explicit(&published, 1, memory_order_release);
+    pthread_mutex_unlock(&board_lock);
+    atomic_fetch_add(&ntasks, 1);
+    b.wake(b.arg);
+    run_chunks(&t);
+    /* Unpublish, then wait for the helpers still running a chunk. */
+    pthread_mutex_lock(&board_lock);
+    task_t **pp = &board;
+    while (*pp != &t)
+        pp = &(*pp)->next_task;
+    *pp = t.next_task;
+    atomic_fetch_sub_explicit(&published, 1, memory_order_release);
+    while (t.helpers > 0)
+        pthread_cond_wait(&board_left, &board_lock);
+    pthread_mutex_unlock(&board_lock);
+}
