@@ -4,6 +4,7 @@
 #include "cmplx.h"
 
 #include "op.h"
+#include "par.h"
 
 pb_mview_t pb_mview_of(const pb_tensor_t *t)
 {
@@ -18,46 +19,14 @@ static int ld(pb_mview_t v)
     return l ? (int)l : 1;
 }
 
-void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta, pb_mview_t c)
-{
-    CBLAS_ORDER layout = c.order == 'C' ? CblasRowMajor : CblasColMajor;
-    CBLAS_TRANSPOSE ta = a.order == c.order ? CblasNoTrans : CblasTrans;
-    CBLAS_TRANSPOSE tb = b.order == c.order ? CblasNoTrans : CblasTrans;
-    int m = (int)c.rows, n = (int)c.cols, k = (int)a.cols;
-    if (m == 0 || n == 0)
-        return;
-    switch (d) {
-    case PB_F32:
-        cblas_sgemm(layout, ta, tb, m, n, k, (float)alpha, a.p, ld(a), b.p, ld(b), (float)beta, c.p, ld(c));
-        break;
-    case PB_F64:
-        cblas_dgemm(layout, ta, tb, m, n, k, alpha, a.p, ld(a), b.p, ld(b), beta, c.p, ld(c));
-        break;
-    case PB_C64: {
-        float _Complex al = (float)alpha, be = (float)beta;
-        cblas_cgemm(layout, ta, tb, m, n, k, &al, a.p, ld(a), b.p, ld(b), &be, c.p, ld(c));
-        break;
-    }
-    case PB_C128: {
-        double _Complex al = alpha, be = beta;
-        cblas_zgemm(layout, ta, tb, m, n, k, &al, a.p, ld(a), b.p, ld(b), &be, c.p, ld(c));
-        break;
-    }
-    default:
-        break;
-    }
-}
-
 static CBLAS_TRANSPOSE tr(char t)
 {
     return t == 'N' ? CblasNoTrans : t == 'T' ? CblasTrans : CblasConjTrans;
 }
 
-void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a, int lda,
-                const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
+static void gemm_serial(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a,
+                        int lda, const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
 {
-    if (m == 0 || n == 0)
-        return;
     CBLAS_TRANSPOSE A = tr(ta), B = tr(tb);
     switch (d) {
     case PB_F32:
@@ -79,6 +48,70 @@ void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t
     default:
         break;
     }
+}
+
+/* A GEMM of at least this many multiply-adds is split across idle threads
+ * (about half a millisecond on one core: well above the cost of waking a
+ * helper), in pieces of at least half of it. */
+#define PAR_MADDS 4e6
+
+typedef struct gemm_split {
+    pb_dtype_t d;
+    char ta, tb;
+    int m, n, k, lda, ldb, ldc;
+    pb_scalar_t alpha, beta;
+    const char *a, *b;
+    char *c;
+    size_t es;
+    bool by_cols;
+} gemm_split_t;
+
+/* Columns [lo, hi) of C (or rows, when split by rows): the same GEMM on
+ * the matching columns of op(b) (rows of op(a)). */
+static void gemm_piece(void *ctx, long lo, long hi)
+{
+    const gemm_split_t *g = ctx;
+    int w = (int)(hi - lo);
+    if (g->by_cols) {
+        const char *b = g->b + (size_t)lo * g->es * (g->tb == 'N' ? (size_t)g->ldb : 1);
+        gemm_serial(g->d, g->ta, g->tb, g->m, w, g->k, g->alpha, g->a, g->lda, b, g->ldb, g->beta,
+                    g->c + (size_t)lo * g->es * (size_t)g->ldc, g->ldc);
+    } else {
+        const char *a = g->a + (size_t)lo * g->es * (g->ta == 'N' ? 1 : (size_t)g->lda);
+        gemm_serial(g->d, g->ta, g->tb, w, g->n, g->k, g->alpha, a, g->lda, g->b, g->ldb, g->beta,
+                    g->c + (size_t)lo * g->es, g->ldc);
+    }
+}
+
+void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a, int lda,
+                const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
+{
+    if (m == 0 || n == 0)
+        return;
+    double madds = (double)m * n * (k ? k : 1);
+    if (madds < PAR_MADDS) {
+        gemm_serial(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return;
+    }
+    /* Split the longer side of C; a piece keeps the other side whole. */
+    gemm_split_t g = {d, ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, pb_dtype_size(d), n >= m};
+    long len = g.by_cols ? n : m;
+    long grain = (long)(PAR_MADDS / 2 / (madds / (double)len)) + 1;
+    pb_par_for(len, grain < 8 ? 8 : grain, gemm_piece, &g);
+}
+
+void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta, pb_mview_t c)
+{
+    pb_scalar_t al = {alpha, 0}, be = {beta, 0};
+    int k = (int)a.cols;
+    /* An F-ordered C is column-major as it is; a C-ordered one is the
+     * column-major Cᵀ = Bᵀ·Aᵀ over the same memory. */
+    if (c.order == 'F')
+        pb_gemm_cm(d, a.order == 'F' ? 'N' : 'T', b.order == 'F' ? 'N' : 'T', (int)c.rows, (int)c.cols, k, al, a.p,
+                   ld(a), b.p, ld(b), be, c.p, ld(c));
+    else
+        pb_gemm_cm(d, b.order == 'C' ? 'N' : 'T', a.order == 'C' ? 'N' : 'T', (int)c.cols, (int)c.rows, k, al, b.p,
+                   ld(b), a.p, ld(a), be, c.p, ld(c));
 }
 
 void pb_blas_init_threads(int n)

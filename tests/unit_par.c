@@ -11,10 +11,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <math.h>
 #include <unistd.h>
 
 #include <cmocka.h>
 
+#include "kernels/blas.h"
+#include "kernels/op.h"
 #include "kernels/par.h"
 
 #define NHELPERS 3
@@ -230,12 +233,123 @@ static void concurrent(void **state)
         pthread_join(t[i], NULL);
 }
 
+/* GEMMs big enough to split give what the unsplit call gives, for every
+ * dtype and transpose, split by columns and by rows, through both entry
+ * points. */
+static void fill(void *p, size_t nscalars, size_t ss, unsigned seed)
+{
+    srand(seed);
+    for (size_t i = 0; i < nscalars; i++) {
+        double v = (double)rand() / RAND_MAX - 0.5;
+        if (ss == 4)
+            ((float *)p)[i] = (float)v;
+        else
+            ((double *)p)[i] = v;
+    }
+}
+
+/* Largest |x - y| over largest |y|, for n scalars of ss bytes (4: float,
+ * 8: double; complex values are pairs of them). */
+static double max_rel_diff(const void *x, const void *y, size_t n, size_t ss)
+{
+    double m = 0, s = 0;
+    for (size_t i = 0; i < n; i++) {
+        double u = ss == 4 ? ((const float *)x)[i] : ((const double *)x)[i];
+        double v = ss == 4 ? ((const float *)y)[i] : ((const double *)y)[i];
+        m = fabs(u - v) > m ? fabs(u - v) : m;
+        s = fabs(v) > s ? fabs(v) : s;
+    }
+    return s > 0 ? m / s : m;
+}
+
+static void gemm_split_matches(void **state)
+{
+    (void)state;
+    static const struct { int m, n, k; } shapes[] = {{300, 200, 100}, {2000, 20, 200}, {9, 3000, 400}};
+    static const char ops[] = "NTC";
+    for (int d = PB_F32; d <= PB_C128; d++) {
+        size_t es = pb_dtype_size((pb_dtype_t)d);
+        bool cplx = d == PB_C64 || d == PB_C128;
+        for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            int m = shapes[s].m, n = shapes[s].n, k = shapes[s].k;
+            for (int ia = 0; ia < (cplx ? 3 : 2); ia++)
+                for (int ib = 0; ib < (cplx ? 3 : 2); ib++) {
+                    char ta = ops[ia], tb = ops[ib];
+                    int lda = ta == 'N' ? m : k, ldb = tb == 'N' ? k : n;
+                    void *a = malloc((size_t)m * k * es), *b = malloc((size_t)k * n * es);
+                    void *c1 = malloc((size_t)m * n * es), *c2 = malloc((size_t)m * n * es);
+                    size_t ss = d == PB_F32 || d == PB_C64 ? 4 : 8, per = cplx ? 2 : 1;
+                    fill(a, (size_t)m * k * per, ss, 1);
+                    fill(b, (size_t)k * n * per, ss, 2);
+                    fill(c1, (size_t)m * n * per, ss, 3);
+                    memcpy(c2, c1, (size_t)m * n * es);
+                    pb_scalar_t al = {0.75, cplx ? 0.25 : 0}, be = {0.5, 0};
+                    pb_par_set_backend(NULL);
+                    pb_gemm_cm((pb_dtype_t)d, ta, tb, m, n, k, al, a, lda, b, ldb, be, c1, m);
+                    pb_par_set_backend(&fake);
+                    while (atomic_load(&idle_threads) < NHELPERS)
+                        usleep(100);
+                    unsigned long long t0, h0, t1, h1;
+                    pb_par_counts(&t0, &h0);
+                    pb_gemm_cm((pb_dtype_t)d, ta, tb, m, n, k, al, a, lda, b, ldb, be, c2, m);
+                    pb_par_counts(&t1, &h1);
+                    assert_int_equal(t1 - t0, 1);
+                    double tol = d == PB_F32 || d == PB_C64 ? 1e-5 : 1e-13;
+                    size_t nscalars = (size_t)m * n * (cplx ? 2 : 1);
+                    double err = max_rel_diff(c1, c2, nscalars, ss);
+                    if (err > tol)
+                        fail_msg("dtype %d %c%c %dx%dx%d: split differs by %g", d, ta, tb, m, n, k, err);
+                    free(a);
+                    free(b);
+                    free(c1);
+                    free(c2);
+                }
+        }
+    }
+}
+
+/* pb_gemm on views: C and F orders of every operand, split or not, against
+ * a plain triple loop. */
+static void gemm_views(void **state)
+{
+    (void)state;
+    int m = 150, n = 170, k = 160;
+    double *a = malloc(sizeof(double) * m * k), *b = malloc(sizeof(double) * k * n);
+    double *c = malloc(sizeof(double) * m * n), *ref = malloc(sizeof(double) * m * n);
+    fill(a, (size_t)m * k, 8, 4);
+    fill(b, (size_t)k * n, 8, 5);
+    for (int split = 0; split < 2; split++) {
+        pb_par_set_backend(split ? &fake : NULL);
+        for (int oa = 0; oa < 2; oa++)
+            for (int ob = 0; ob < 2; ob++)
+                for (int oc = 0; oc < 2; oc++) {
+                    char fa = oa ? 'F' : 'C', fb = ob ? 'F' : 'C', fc = oc ? 'F' : 'C';
+#define AT(p, o, r, cc, R, Cn) ((o) == 'C' ? (p)[(size_t)(r) * (Cn) + (cc)] : (p)[(size_t)(cc) * (R) + (r)])
+                    for (int i = 0; i < m; i++)
+                        for (int j = 0; j < n; j++) {
+                            double s = 0;
+                            for (int l = 0; l < k; l++)
+                                s += AT(a, fa, i, l, m, k) * AT(b, fb, l, j, k, n);
+                            ref[fc == 'C' ? (size_t)i * n + j : (size_t)j * m + i] = 2 * s;
+                        }
+                    pb_gemm(PB_F64, 2.0, (pb_mview_t){a, m, k, fa}, (pb_mview_t){b, k, n, fb}, 0.0,
+                            (pb_mview_t){c, m, n, fc});
+                    assert_true(max_rel_diff(c, ref, (size_t)m * n, 8) < 1e-13);
+                }
+    }
+    free(a);
+    free(b);
+    free(c);
+    free(ref);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(inline_without_backend), cmocka_unit_test(inline_when_nobody_idle),
         cmocka_unit_test(inline_below_two_grains), cmocka_unit_test(idle_threads_help),
         cmocka_unit_test(odd_sizes), cmocka_unit_test(nested), cmocka_unit_test(concurrent),
+        cmocka_unit_test(gemm_split_matches), cmocka_unit_test(gemm_views),
     };
     return cmocka_run_group_tests_name("unit.par", tests, setup, teardown);
 }
