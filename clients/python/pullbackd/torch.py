@@ -64,8 +64,6 @@ _TORCH_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128
 
 _default = None
 _default_lock = threading.Lock()
-_client_locks = {}  # id(client) -> (client, RLock); a Client has no lock of its own for whole calls
-_client_locks_lock = threading.Lock()
 
 
 def default_client():
@@ -85,12 +83,8 @@ def set_default_client(client):
 
 
 def _lock(client):
-    with _client_locks_lock:
-        entry = _client_locks.get(id(client))
-        if entry is None or entry[0] is not client:
-            entry = (client, threading.RLock())
-            _client_locks[id(client)] = entry
-        return entry[1]
+    """The lock that makes one request and its reply on client a unit (dict.setdefault is atomic)."""
+    return client.__dict__.setdefault("_torch_call_lock", threading.RLock())
 
 
 def _to_numpy(name, t):
