@@ -29,35 +29,40 @@ from daemon_case import DaemonCase  # noqa: E402
 PYTHON = "/usr/bin/python3"
 
 
-def missing_tools():
-    """Why the package cannot be installed here, or None."""
-    probe = subprocess.run([PYTHON, "-c", "import ensurepip, venv, setuptools, wheel, pip"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        return "venv, pip, setuptools or wheel missing for /usr/bin/python3: " + probe.stderr.strip().splitlines()[-1]
-    return None
-
-
 def clean_env(**extra):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PIP_INDEX_URL")}
     env.update(extra)
     return env
 
 
+def make_venv(path):
+    """Make the venv at path; None, or why it cannot be made here (then the test is skipped)."""
+    probe = subprocess.run([PYTHON, "-c", "import setuptools, wheel"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return "setuptools or wheel missing for /usr/bin/python3 (Debian: python3-setuptools, python3-wheel)"
+    made = subprocess.run([PYTHON, "-m", "venv", "--system-site-packages", path], capture_output=True,
+                          text=True, env=clean_env(), timeout=300)
+    if made.returncode != 0:
+        return ("/usr/bin/python3 -m venv failed (Debian: python3-venv, python3-pip): "
+                + (made.stdout + made.stderr).strip()[-300:])
+    pip = subprocess.run([os.path.join(path, "bin", "python"), "-m", "pip", "--version"], capture_output=True,
+                         text=True, env=clean_env())
+    if pip.returncode != 0:
+        return "the venv has no pip (Debian: python3-pip): " + pip.stderr.strip()[-300:]
+    return None
+
+
 class PackageTest(DaemonCase):
     @classmethod
     def setUpClass(cls):
         super().setUpClass()
-        cls.work = tempfile.mkdtemp(prefix="pbpkg")
+        cls.work = WORK
         cls.venv = os.path.join(cls.work, "venv")
         cls.python = os.path.join(cls.venv, "bin", "python")
         # A copy, so that the build's build/ and egg-info never land in the tree.
         cls.src = os.path.join(cls.work, "src")
         shutil.copytree(SOURCE, cls.src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
         run = dict(capture_output=True, text=True, env=clean_env(), cwd=cls.work, timeout=300)
-        made = subprocess.run([PYTHON, "-m", "venv", "--system-site-packages", cls.venv], **run)
-        if made.returncode != 0:
-            raise AssertionError("venv failed:\n" + made.stdout + made.stderr)
         cls.pip = subprocess.run([cls.python, "-m", "pip", "install", "--no-build-isolation", "--no-index",
                                   "--disable-pip-version-check", "--no-cache-dir", cls.src], **run)
 
@@ -117,8 +122,10 @@ class PackageTest(DaemonCase):
 
 
 if __name__ == "__main__":
-    why = missing_tools()
+    WORK = tempfile.mkdtemp(prefix="pbpkg")
+    why = make_venv(os.path.join(WORK, "venv"))
     if why:
+        shutil.rmtree(WORK, ignore_errors=True)
         print("SKIP:", why, file=sys.stderr)
         sys.exit(77)
     unittest.main()

@@ -31,6 +31,7 @@ socket (``$PULLBACKD_SOCKET``, ...), made on first use; see
 are serialized by a lock, so threads may share it.
 """
 
+import os
 import threading
 
 import numpy as np
@@ -63,23 +64,25 @@ _SCALAR_OPTIONS = ("alpha", "beta")  # options that may be differentiable tensor
 _TORCH_DTYPES = (torch.float32, torch.float64, torch.complex64, torch.complex128)
 
 _default = None
+_default_pid = None
 _default_lock = threading.Lock()
 
 
 def default_client():
-    """The process's default Client, connected on first use (again if it was closed)."""
-    global _default
+    """The process's default Client, connected on first use (again if it was closed, or in a forked child)."""
+    global _default, _default_pid
     with _default_lock:
-        if _default is None or _default._sock is None:
-            _default = _pb.Client()
+        if _default is None or _default._sock is None or _default_pid != os.getpid():
+            _default = _pb.Client()  # a fork's child never writes on its parent's connection
+            _default_pid = os.getpid()
         return _default
 
 
 def set_default_client(client):
     """Use ``client`` (a pullbackd.Client, or None to reconnect lazily) for calls that name none."""
-    global _default
+    global _default, _default_pid
     with _default_lock:
-        _default = client
+        _default, _default_pid = client, os.getpid()
 
 
 def _lock(client):
