@@ -318,6 +318,28 @@ class ApiTest(TorchCase):
         with self.assertRaises(TypeError):
             pt.fused_dense(torch.ones(2, 2, dtype=torch.float16), torch.ones(2, dtype=torch.float16))
 
+    def test_threads_share_the_default_client(self):
+        import threading
+        errors, W = [], rand(6, 5, grad=False)
+
+        def work(seed):
+            try:
+                for i in range(20):
+                    x = rand(5, 3, seed=seed * 100 + i)
+                    y = pt.fused_dense(W, x, act="tanh")
+                    (gx,) = torch.autograd.grad(y.sum(), x)
+                    torch.testing.assert_close(y, torch.tanh(W @ x), rtol=1e-12, atol=1e-13)
+                    torch.testing.assert_close(gx, W.T @ (1 - y.detach() ** 2), rtol=1e-12, atol=1e-13)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.assertEqual(errors, [])
+
     def test_default_client_from_the_environment(self):
         code = ("import sys; sys.path.insert(0, sys.argv[1]); import torch, pullbackd.torch as pt;"
                 "A = torch.eye(2, dtype=torch.float64, requires_grad=True);"

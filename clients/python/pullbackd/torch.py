@@ -166,8 +166,8 @@ class _DaemonOp(torch.autograd.Function):
         ctx.spec, ctx.tape, ctx.wrt = spec, tape, wrt
         ctx.in_meta = [(t.dtype, t.shape) for t in tensors]
         ctx.set_materialize_grads(False)
-        # The tape goes with the graph's saved state (see _saved_hooks in call): PyTorch frees it
-        # after a backward without retain_graph, or with the graph.
+        # The tape goes with the graph's saved state (the pack hook in call takes the releaser):
+        # PyTorch frees that after a backward without retain_graph, or with the graph.
         spec.releaser = _Releaser(tape)
         ctx.save_for_backward(torch.empty(0))
         return tuple(_to_torch(outputs[n]) for n in spec.out_names)
