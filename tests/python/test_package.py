@@ -82,6 +82,15 @@ class PackageTest(DaemonCase):
         self.assertEqual(self.pip.returncode, 0, self.pip.stdout + self.pip.stderr)
         self.assertIn("Successfully installed pullbackd", self.pip.stdout)
 
+    def test_1_version_is_the_projects(self):
+        import re
+        import tomllib
+        with open(os.path.join(SOURCE, "pyproject.toml"), "rb") as f:
+            ours = tomllib.load(f)["project"]["version"]
+        with open(os.path.join(HERE, "..", "..", "meson.build"), encoding="utf-8") as f:
+            meson = re.search(r"version:\s*'([^']+)'", f.read()).group(1)
+        self.assertEqual(ours, meson, "clients/python/pyproject.toml and meson.build disagree on the version")
+
     def test_2_installed_copy_is_imported(self):
         out = self.venv_python("""
             import os, sys, pullbackd
