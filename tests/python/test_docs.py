@@ -30,7 +30,7 @@ def blocks():
 
 
 try:
-    import torch  # noqa: F401
+    import torch  # noqa: F401 (only whether it imports)
     HAS_TORCH = True
 except Exception:  # noqa: BLE001
     HAS_TORCH = False

@@ -313,7 +313,20 @@ def _factorization(op):
     return f
 
 
-for _op in OPS:
-    if _op not in globals():
-        globals()[_op] = _factorization(_op)
-del _op
+qr_compact = _factorization("qr_compact")
+qr_full = _factorization("qr_full")
+qr_null = _factorization("qr_null")
+lq_compact = _factorization("lq_compact")
+lq_full = _factorization("lq_full")
+lq_null = _factorization("lq_null")
+eigh_full = _factorization("eigh_full")
+eigh_vals = _factorization("eigh_vals")
+eigh_trunc = _factorization("eigh_trunc")
+eig_full = _factorization("eig_full")
+eig_vals = _factorization("eig_vals")
+svd_compact = _factorization("svd_compact")
+svd_full = _factorization("svd_full")
+svd_vals = _factorization("svd_vals")
+svd_trunc = _factorization("svd_trunc")
+left_polar = _factorization("left_polar")
+right_polar = _factorization("right_polar")
