@@ -19,7 +19,10 @@ and is sent instead of an array, and ``into={name: (buffer, offset)}``
 has outputs or gradients written into a buffer, returned as BufferTensor
 (``accumulate=True`` on reverse adds gradients to what is there).
 
-Needs Debian's python3-msgpack and python3-numpy (run it with /usr/bin/python3).
+Needs numpy and msgpack (Debian's python3-numpy, python3-msgpack: run it
+with /usr/bin/python3, or pip install clients/python into a venv made with
+--system-site-packages). ``pullbackd.torch`` has the ops as PyTorch autograd
+functions. The guide is docs/python.md.
 """
 
 import array
