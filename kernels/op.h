@@ -6,6 +6,16 @@
  *                     takes, and its functions.  `ops`, argument checking,
  *                     dispatch and tape sizing all read the entry; the
  *                     daemon has no op-specific code.
+ *   family            the ops one file defines and exports as an array of
+ *                     rows (the QR family: qr_* and lq_*); op.c gathers the
+ *                     families into the table.  A new op joins its
+ *                     family's array, or comes as a new family.
+ *   variant           which form of its family a row is (compact, full,
+ *                     null, vals, trunc), read by the functions the
+ *                     family's rows share.
+ *   dtype body        a kernel written once for an element type T and
+ *                     instantiated per dtype (dtype_t.h); an op function
+ *                     picks its instance from an array indexed by dtype.
  *   call              one invocation: the op, device, dtype, input tensors,
  *                     parsed options, the wrt set and the output order.
  *   wrt               the set of inputs (and alpha/beta) whose gradients a
