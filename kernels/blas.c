@@ -19,6 +19,14 @@ static int ld(pb_mview_t v)
     return l ? (int)l : 1;
 }
 
+#define PB_T_BODY "blas_t.h"
+#include "dtype_t.h"
+
+typedef void gemm_fn(CBLAS_ORDER layout, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int m, int n, int k,
+                     pb_scalar_t alpha, const void *a, int lda, const void *b, int ldb, pb_scalar_t beta, void *c,
+                     int ldc);
+static gemm_fn *const gemms[PB_NDTYPES] = PB_T_FNS(gemm);
+
 static CBLAS_TRANSPOSE tr(char t)
 {
     return t == 'N' ? CblasNoTrans : t == 'T' ? CblasTrans : CblasConjTrans;
@@ -27,27 +35,7 @@ static CBLAS_TRANSPOSE tr(char t)
 static void gemm_serial(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a,
                         int lda, const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
 {
-    CBLAS_TRANSPOSE A = tr(ta), B = tr(tb);
-    switch (d) {
-    case PB_F32:
-        cblas_sgemm(CblasColMajor, A, B, m, n, k, (float)alpha.re, a, lda, b, ldb, (float)beta.re, c, ldc);
-        break;
-    case PB_F64:
-        cblas_dgemm(CblasColMajor, A, B, m, n, k, alpha.re, a, lda, b, ldb, beta.re, c, ldc);
-        break;
-    case PB_C64: {
-        float _Complex al = CMPLXF((float)alpha.re, (float)alpha.im), be = CMPLXF((float)beta.re, (float)beta.im);
-        cblas_cgemm(CblasColMajor, A, B, m, n, k, &al, a, lda, b, ldb, &be, c, ldc);
-        break;
-    }
-    case PB_C128: {
-        double _Complex al = CMPLX(alpha.re, alpha.im), be = CMPLX(beta.re, beta.im);
-        cblas_zgemm(CblasColMajor, A, B, m, n, k, &al, a, lda, b, ldb, &be, c, ldc);
-        break;
-    }
-    default:
-        break;
-    }
+    gemms[d](CblasColMajor, tr(ta), tr(tb), m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 /* A GEMM of at least this many multiply-adds is split across idle threads
@@ -86,7 +74,7 @@ static void gemm_piece(void *ctx, long lo, long hi)
 void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a, int lda,
                 const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
 {
-    if (m == 0 || n == 0)
+    if (m == 0 || n == 0 || (unsigned)d >= PB_NDTYPES)
         return;
     double madds = (double)m * n * (k ? k : 1);
     if (madds < PAR_MADDS) {

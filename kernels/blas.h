@@ -3,7 +3,8 @@
  * A view is a pointer, a shape and a memory order; its transpose is free
  * (swap the sizes and flip the order), so one GEMM wrapper takes C- and
  * F-ordered operands as they are and lets BLAS transpose on the fly.  The
- * s/d/c/z calls are chosen by dtype here, once. */
+ * s/d/c/z calls come from one body (blas_t.h), chosen by dtype here,
+ * once. */
 #ifndef PB_BLAS_H
 #define PB_BLAS_H
 

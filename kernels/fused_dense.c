@@ -17,16 +17,17 @@ enum { IN_W, IN_X, IN_B };
 enum { OPT_ACT };
 enum { SAVED_SRC, SAVED_X, SAVED_W };
 
-#define T float
-#define SFX f
-#include "fused_dense_t.h"
-#undef T
-#undef SFX
-#define T double
-#define SFX
-#include "fused_dense_t.h"
-#undef T
-#undef SFX
+#define PB_T_BODY "fused_dense_t.h"
+#define PB_T_REAL_ONLY
+#include "dtype_t.h"
+
+typedef void bias_act_fn(int act, void *y, void *zbuf, const void *b, size_t out, size_t batch, char order);
+typedef void dz_pass_fn(int act, void *dz, const void *yb, const void *s, double *bsum, size_t out, size_t batch,
+                        char order);
+typedef void store_bsum_fn(void *dst, const double *bsum, size_t out);
+static bias_act_fn *const bias_acts[PB_NDTYPES] = PB_T_FNS_REAL(bias_act_any);
+static dz_pass_fn *const dz_passes[PB_NDTYPES] = PB_T_FNS_REAL(dz_pass_any);
+static store_bsum_fn *const store_bsums[PB_NDTYPES] = PB_T_FNS_REAL(store_bsum);
 
 static int validate(pb_call_t *c, pb_err_t *err)
 {
@@ -94,10 +95,7 @@ static int forward_cpu(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
     pb_gemm(c->dtype, 1.0, pb_mview_of(w), pb_mview_of(x), 0.0, yv);
     const void *bp = b->storage ? pb_tensor_data(b) : NULL;
     char o = ym->rank == 1 ? 'F' : c->order;
-    if (c->dtype == PB_F32)
-        bias_act_f(act, pb_tensor_data(&y), save_z ? pb_tensor_data(&z) : NULL, bp, out, batch, o);
-    else
-        bias_act_(act, pb_tensor_data(&y), save_z ? pb_tensor_data(&z) : NULL, bp, out, batch, o);
+    bias_acts[c->dtype](act, pb_tensor_data(&y), save_z ? pb_tensor_data(&z) : NULL, bp, out, batch, o);
 
     if (tape && c->wrt) {
         if (pb_act_src[act] == PB_ACT_FROM_Y)
@@ -162,22 +160,15 @@ static int reverse_cpu(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor
     }
     char po = ym->rank == 1 ? 'F' : o;
     const void *sp = src->storage ? pb_tensor_data(src) : NULL;
-    if (d == PB_F32)
-        dz_pass_f(act, pb_tensor_data(&dz), yb, sp, bsum, out, batch, po);
-    else
-        dz_pass_(act, pb_tensor_data(&dz), yb, sp, bsum, out, batch, po);
+    dz_passes[d](act, pb_tensor_data(&dz), yb, sp, bsum, out, batch, po);
 
     pb_mview_t dzv = pb_mview_of(&dz);
     if (t->wrt & (1u << IN_W)) /* W̄ = dz·xᵀ */
         pb_gemm(d, 1.0, dzv, pb_mview_transpose(pb_mview_of(&t->saved[SAVED_X])), 0.0, pb_mview_of(&grad[IN_W]));
     if (t->wrt & (1u << IN_X)) /* x̄ = Wᵀ·dz */
         pb_gemm(d, 1.0, pb_mview_transpose(pb_mview_of(&t->saved[SAVED_W])), dzv, 0.0, pb_mview_of(&grad[IN_X]));
-    if (bsum) {
-        if (d == PB_F32)
-            store_bsum_f(pb_tensor_data(&grad[IN_B]), bsum, out);
-        else
-            store_bsum_(pb_tensor_data(&grad[IN_B]), bsum, out);
-    }
+    if (bsum)
+        store_bsums[d](pb_tensor_data(&grad[IN_B]), bsum, out);
     free(bsum);
     pb_tensor_clear(&dz);
     return 0;

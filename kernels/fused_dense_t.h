@@ -1,16 +1,13 @@
-/* Body of fused_dense for one real type, included by fused_dense.c with
- * T (float or double), SFX (f or nothing) and DT (PB_F32 or PB_F64). */
+/* Body of fused_dense for one real type: a PB_T_REAL_ONLY body for
+ * dtype_t.h (T, MSFX picks act.h's float or double functions). */
 
-#define FD_CAT2(a, b) a##b
-#define FD_CAT(a, b) FD_CAT2(a, b)
-#define FD_FN(name) FD_CAT(name, FD_CAT(_, SFX))
-#define FD_VALUE FD_CAT(pb_act_value, SFX)
-#define FD_DERIV FD_CAT(pb_act_deriv, SFX)
+#define FD_VALUE PB_CAT(pb_act_value, MSFX)
+#define FD_DERIV PB_CAT(pb_act_deriv, MSFX)
 
 /* y = act(y + b) over an (out × batch) matrix in order `order`, saving z
  * into zbuf when it is not NULL.  Instantiated per activation so the
  * activation's switch folds away and the loop vectorises where it can. */
-PB_KERNEL_CLONES static void FD_FN(bias_act)(int act, T *restrict y, T *restrict zbuf, const T *restrict b, size_t out,
+PB_KERNEL_CLONES static void FN(bias_act)(int act, T *restrict y, T *restrict zbuf, const T *restrict b, size_t out,
                             size_t batch, char order)
 {
 #define FD_LOOP(A)                                                                    \
@@ -51,7 +48,7 @@ PB_KERNEL_CLONES static void FD_FN(bias_act)(int act, T *restrict y, T *restrict
 
 /* dz = ȳ ⊙ act′(s), with b̄ += row sums of dz (bsum may be NULL).  dz, ȳ
  * and s in the same order; dz may be ȳ itself (in place). */
-PB_KERNEL_CLONES static void FD_FN(dz_pass)(int act, T *dz, const T *yb, const T *restrict s, double *restrict bsum,
+PB_KERNEL_CLONES static void FN(dz_pass)(int act, T *dz, const T *yb, const T *restrict s, double *restrict bsum,
                                             size_t out, size_t batch, char order)
 {
 #define FD_LOOP(A)                                                                    \
@@ -86,15 +83,24 @@ PB_KERNEL_CLONES static void FD_FN(dz_pass)(int act, T *dz, const T *yb, const T
 #undef FD_LOOP
 }
 
-static void FD_FN(store_bsum)(void *dst, const double *bsum, size_t out)
+static void FN(store_bsum)(void *dst, const double *bsum, size_t out)
 {
     T *b = dst;
     for (size_t i = 0; i < out; i++)
         b[i] = (T)bsum[i];
 }
 
-#undef FD_CAT2
-#undef FD_CAT
-#undef FD_FN
+/* The untyped entry points fused_dense.c's tables hold. */
+static void FN(bias_act_any)(int act, void *y, void *zbuf, const void *b, size_t out, size_t batch, char order)
+{
+    FN(bias_act)(act, y, zbuf, b, out, batch, order);
+}
+
+static void FN(dz_pass_any)(int act, void *dz, const void *yb, const void *s, double *bsum, size_t out, size_t batch,
+                            char order)
+{
+    FN(dz_pass)(act, dz, yb, s, bsum, out, batch, order);
+}
+
 #undef FD_VALUE
 #undef FD_DERIV

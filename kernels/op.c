@@ -5,17 +5,34 @@
 #include "act.h"
 
 extern const pb_op_t pb_op_fused_dense, pb_op_tensorcontract, pb_op_tensoradd, pb_op_tensortrace;
-extern const pb_op_t pb_factor_ops[]; /* factor.c, in this order: */
+extern const pb_op_t pb_fz_qr_ops[], pb_fz_eigh_ops[], pb_fz_eig_ops[], pb_fz_svd_ops[], pb_fz_polar_ops[];
+extern const int pb_fz_qr_nops, pb_fz_eigh_nops, pb_fz_eig_nops, pb_fz_svd_nops, pb_fz_polar_nops;
 
-const pb_op_t *const pb_ops[] = {
-    &pb_op_fused_dense,  &pb_op_tensorcontract, &pb_op_tensoradd,    &pb_op_tensortrace,
-    &pb_factor_ops[0],   &pb_factor_ops[1],     &pb_factor_ops[2],   &pb_factor_ops[3],   /* qr_*, lq_compact */
-    &pb_factor_ops[4],   &pb_factor_ops[5],     &pb_factor_ops[6],   &pb_factor_ops[7],   /* lq_*, eigh_* */
-    &pb_factor_ops[8],   &pb_factor_ops[9],     &pb_factor_ops[10],  &pb_factor_ops[11],  /* eigh_trunc, eig_*, svd */
-    &pb_factor_ops[12],  &pb_factor_ops[13],    &pb_factor_ops[14],  &pb_factor_ops[15],  /* svd_*, left_polar */
-    &pb_factor_ops[16],                                                                    /* right_polar */
+/* The families, in the order `ops` lists them; each exports its rows and
+ * their count, so a new op joins its family's array and nothing here. */
+static const int one = 1;
+static const struct {
+    const pb_op_t *rows;
+    const int *n;
+} families[] = {
+    {&pb_op_fused_dense, &one},  {&pb_op_tensorcontract, &one}, {&pb_op_tensoradd, &one},
+    {&pb_op_tensortrace, &one},  {pb_fz_qr_ops, &pb_fz_qr_nops}, {pb_fz_eigh_ops, &pb_fz_eigh_nops},
+    {pb_fz_eig_ops, &pb_fz_eig_nops}, {pb_fz_svd_ops, &pb_fz_svd_nops}, {pb_fz_polar_ops, &pb_fz_polar_nops},
 };
-const int pb_nops = (int)(sizeof pb_ops / sizeof pb_ops[0]);
+
+/* The flat table, filled from the families before main runs (the counts
+ * are link-time constants, not compile-time ones). */
+const pb_op_t *pb_ops[PB_MAX_OPS];
+int pb_nops;
+
+__attribute__((constructor)) static void ops_concat(void)
+{
+    int n = 0;
+    for (size_t f = 0; f < sizeof families / sizeof families[0]; f++)
+        for (int i = 0; i < *families[f].n && n < PB_MAX_OPS; i++)
+            pb_ops[n++] = &families[f].rows[i];
+    pb_nops = n;
+}
 
 const char *const pb_act_names[PB_NACTS + 1] = {
 #define PB_X(sym, name, src) name,

@@ -6,6 +6,16 @@
  *                     takes, and its functions.  `ops`, argument checking,
  *                     dispatch and tape sizing all read the entry; the
  *                     daemon has no op-specific code.
+ *   family            the ops one file defines and exports as an array of
+ *                     rows (the QR family: qr_* and lq_*); op.c gathers the
+ *                     families into the table.  A new op joins its
+ *                     family's array, or comes as a new family.
+ *   variant           which form of its family a row is (compact, full,
+ *                     null, vals, trunc), read by the functions the
+ *                     family's rows share.
+ *   dtype body        a kernel written once for an element type T and
+ *                     instantiated per dtype (dtype_t.h); an op function
+ *                     picks its instance from an array indexed by dtype.
  *   call              one invocation: the op, device, dtype, input tensors,
  *                     parsed options, the wrt set and the output order.
  *   wrt               the set of inputs (and alpha/beta) whose gradients a
@@ -119,6 +129,10 @@ typedef struct pb_warnings {
 
 typedef struct pb_op {
     const char *name;
+    /* Which form of its family the op is, for functions that several rows
+     * share (the factorizations: fz_variant_t in factor_common.h); 0 for
+     * an op with a family of one. */
+    int variant;
     const pb_io_spec_t *inputs;   /* ninputs entries */
     int ninputs;
     const char *const *outputs;   /* noutputs names */
@@ -149,9 +163,12 @@ typedef struct pb_op {
     int (*fd_cotangents)(const pb_call_t *c, pb_tensor_t *cot);
 } pb_op_t;
 
-/* The table, and lookup by name (NULL if unknown). */
-extern const pb_op_t *const pb_ops[];
-extern const int pb_nops;
+/* The table: every family's rows in the order `ops` lists them (op.c
+ * gathers them before main runs; read-only after), and lookup by name
+ * (NULL if unknown). */
+#define PB_MAX_OPS 64
+extern const pb_op_t *pb_ops[PB_MAX_OPS];
+extern int pb_nops;
 const pb_op_t *pb_op_find(const char *name, size_t len);
 int pb_op_input_index(const pb_op_t *op, const char *name, size_t len);
 int pb_op_output_index(const pb_op_t *op, const char *name, size_t len);

@@ -69,36 +69,14 @@ static bool walk_next(const walk_t *W, walk_cur_t *c)
     return false;
 }
 
-#define T float
-#define WORD uint32_t
-#define LANES 4
-#define ACC double
-#define SFX _s
-#define CPLX 0
-#include "strided_t.h"
-#define T double
-#define WORD uint64_t
-#define LANES 2
-#define ACC double
-#define SFX _d
-#define CPLX 0
-#include "strided_t.h"
-#define T float complex
-#define WORD uint64_t
-#define LANES 2
-#define ACC double complex
-#define SFX _c
-#define SFXC f
-#define CPLX 1
-#include "strided_t.h"
-#define T double complex
-#define WORD uint64_t
-#define LANES 1
-#define ACC double complex
-#define SFX _z
-#define SFXC
-#define CPLX 1
-#include "strided_t.h"
+#define PB_T_BODY "strided_t.h"
+#include "dtype_t.h"
+
+typedef void pass_fn(const walk_t *W, void *dst, const void *src, const void *src2, pb_scalar_t alpha,
+                     pb_scalar_t beta, int cj, int one, int acc);
+typedef pb_scalar_t dot_fn(const pb_loop_t *L, const void *a, const void *b, int cj);
+static pass_fn *const passes[PB_NDTYPES] = PB_T_FNS(pass);
+static dot_fn *const dots[PB_NDTYPES] = PB_T_FNS(dot_scalar);
 
 void pb_dense_strides(int rank, const uint64_t *shape, char order, int64_t *stride)
 {
@@ -267,23 +245,8 @@ void pb_strided(pb_dtype_t d, const pb_loop_t *in, void *dst, const void *src, b
     int one = alpha.re == 1 && alpha.im == 0, acc = accumulate;
     walk_t W;
     walk_plan(&L, t, src2 ? 3 : 2, pb_dtype_size(d), &W);
-    switch (d) {
-    case PB_F32:
-        run_s(&W, dst, src, src2, (float)alpha.re, (float)beta.re, 0, one, acc);
-        break;
-    case PB_F64:
-        run_d(&W, dst, src, src2, alpha.re, beta.re, 0, one, acc);
-        break;
-    case PB_C64:
-        run_c(&W, dst, src, src2, CMPLXF((float)alpha.re, (float)alpha.im), CMPLXF((float)beta.re, (float)beta.im),
-              conj, one, acc);
-        break;
-    case PB_C128:
-        run_z(&W, dst, src, src2, CMPLX(alpha.re, alpha.im), CMPLX(beta.re, beta.im), conj, one, acc);
-        break;
-    default:
-        break;
-    }
+    if ((unsigned)d < PB_NDTYPES)
+        passes[d](&W, dst, src, src2, alpha, beta, conj, one, acc);
 }
 
 pb_scalar_t pb_strided_dot(pb_dtype_t d, const pb_loop_t *in, const void *a, bool conj, const void *b)
@@ -293,18 +256,8 @@ pb_scalar_t pb_strided_dot(pb_dtype_t d, const pb_loop_t *in, const void *a, boo
     pb_scalar_t r = {0, 0};
     if (!normalise(in, &L, 2, &t))
         return r;
-    double complex z = 0;
-    switch (d) {
-    case PB_F32: r.re = dot_s(&L, a, b, 0); break;
-    case PB_F64: r.re = dot_d(&L, a, b, 0); break;
-    case PB_C64: z = dot_c(&L, a, b, conj); break;
-    case PB_C128: z = dot_z(&L, a, b, conj); break;
-    default: break;
-    }
-    if (pb_dtype_is_complex(d)) {
-        r.re = creal(z);
-        r.im = cimag(z);
-    }
+    if ((unsigned)d < PB_NDTYPES)
+        r = dots[d](&L, a, b, conj);
     return r;
 }
 

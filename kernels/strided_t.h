@@ -1,12 +1,8 @@
-/* The strided passes for one element type; included by strided.c with
- * T (element), ACC (accumulator: double or double complex), SFX (name
- * suffix) and CPLX (1 for complex types) defined; it undefines them at
- * its end. */
-#define CAT_(a, b) a##b
-#define CAT(a, b) CAT_(a, b)
-#define FN(name) CAT(name, SFX)
+/* The strided passes for one element type: a body for dtype_t.h (T, ACC,
+ * CPLX, CONJ, WORD, LANES, TSCALAR).  pass and dot_scalar are what
+ * strided.c dispatches to by dtype. */
 #if CPLX
-#define OPC(x) (cj ? CAT(conj, SFXC)(x) : (x))
+#define OPC(x) (cj ? CONJ(x) : (x))
 #else
 #define OPC(x) (x)
 #endif
@@ -299,18 +295,25 @@ static ACC FN(dot)(const pb_loop_t *L, const T *a, const T *b, int cj)
     }
 }
 
+/* The entry points strided.c's tables hold: scalars as pb_scalar_t, a
+ * real pass never conjugates. */
+static void FN(pass)(const walk_t *W, void *dst, const void *src, const void *src2, pb_scalar_t alpha,
+                     pb_scalar_t beta, int cj, int one, int acc)
+{
+    FN(run)(W, dst, src, src2, TSCALAR(alpha), TSCALAR(beta), CPLX ? cj : 0, one, acc);
+}
+
+static pb_scalar_t FN(dot_scalar)(const pb_loop_t *L, const void *a, const void *b, int cj)
+{
+    ACC z = FN(dot)(L, a, b, CPLX ? cj : 0);
+#if CPLX
+    return (pb_scalar_t){creal(z), cimag(z)};
+#else
+    return (pb_scalar_t){z, 0};
+#endif
+}
+
 #undef ELEM
 #undef BS
 #undef TB1
 #undef OPC
-#undef FN
-#undef CAT
-#undef CAT_
-/* the instantiation's parameters, so the next one starts clean */
-#undef T
-#undef ACC
-#undef SFX
-#undef SFXC
-#undef CPLX
-#undef WORD
-#undef LANES

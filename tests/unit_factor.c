@@ -29,6 +29,7 @@
 #include <cmocka.h>
 
 #include "kernels/check.h"
+#include "kernels/factor_common.h"
 #include "kernels/op.h"
 #include "lapack_fault.h"
 
@@ -1030,6 +1031,34 @@ static void tape_sizes(void **state)
         }
 }
 
+/* The table as op.c gathers it from the families: every factorization
+ * once, in the order `ops` has always listed them, each row's variant the
+ * form its name says, and only eigh's rows projecting directions. */
+static void table_rows(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *name;
+        int variant;
+    } want[] = {
+        {"qr_compact", FZ_COMPACT}, {"qr_full", FZ_FULL},    {"qr_null", FZ_NULL},   {"lq_compact", FZ_COMPACT},
+        {"lq_full", FZ_FULL},       {"lq_null", FZ_NULL},    {"eigh_full", FZ_FULL}, {"eigh_vals", FZ_VALS},
+        {"eigh_trunc", FZ_TRUNC},   {"eig_full", FZ_FULL},   {"eig_vals", FZ_VALS},  {"svd_compact", FZ_COMPACT},
+        {"svd_full", FZ_FULL},      {"svd_vals", FZ_VALS},   {"svd_trunc", FZ_TRUNC}, {"left_polar", FZ_COMPACT},
+        {"right_polar", FZ_COMPACT},
+    };
+    const int first = 4, n = (int)(sizeof want / sizeof want[0]); /* after fused_dense and the three tensor ops */
+    assert_int_equal(pb_nops, first + n);
+    for (int i = 0; i < n; i++) {
+        const pb_op_t *op = pb_ops[first + i];
+        assert_string_equal(op->name, want[i].name);
+        assert_ptr_equal(pb_op_find(op->name, strlen(op->name)), op);
+        assert_int_equal(op->variant, want[i].variant);
+        assert_true(op->forward[PB_DEV_CPU] && op->reverse[PB_DEV_CPU] && op->validate);
+        assert_true((op->fd_direction != NULL) == (strncmp(op->name, "eigh_", 5) == 0));
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1037,6 +1066,7 @@ int main(void)
         cmocka_unit_test(degenerate_eigh), cmocka_unit_test(degenerate_svd),  cmocka_unit_test(truncations),
         cmocka_unit_test(trunc_not_naive), cmocka_unit_test(errors),          cmocka_unit_test(zero_size),
         cmocka_unit_test(tape_sizes),      cmocka_unit_test(qr_blocks),       cmocka_unit_test(lapack_failures),
+        cmocka_unit_test(table_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1014,7 +1014,10 @@ static int copy_check(const pb_ctensor_t *t, size_t n, size_t *width, size_t *sl
 #define HOST_LE 0
 #endif
 
-int pb_ctensor_copy_f64(const pb_ctensor_t *t, double *out, size_t n)
+/* t's components into out, n slots of out_width bytes (4: float, 8:
+ * double), converted where t's width differs.  out_width is the same for
+ * the whole loop, so the compiler hoists the test out of it. */
+static int copy_out(const pb_ctensor_t *t, void *out, size_t n, size_t out_width)
 {
     size_t width, slots;
     int rc = copy_check(t, n, &width, &slots);
@@ -1022,30 +1025,27 @@ int pb_ctensor_copy_f64(const pb_ctensor_t *t, double *out, size_t n)
         return rc;
     if (out == NULL && slots > 0)
         return -EINVAL;
-    if (HOST_LE && width == sizeof(double)) {
+    if (HOST_LE && width == out_width) {
         if (slots > 0)
-            memcpy(out, t->data, slots * sizeof(double));
+            memcpy(out, t->data, slots * out_width);
         return 0;
     }
-    for (size_t i = 0; i < slots; i++)
-        out[i] = load_le((const unsigned char *)t->data + i * width, width);
+    for (size_t i = 0; i < slots; i++) {
+        double v = load_le((const unsigned char *)t->data + i * width, width);
+        if (out_width == sizeof(float))
+            ((float *)out)[i] = (float)v;
+        else
+            ((double *)out)[i] = v;
+    }
     return 0;
+}
+
+int pb_ctensor_copy_f64(const pb_ctensor_t *t, double *out, size_t n)
+{
+    return copy_out(t, out, n, sizeof(double));
 }
 
 int pb_ctensor_copy_f32(const pb_ctensor_t *t, float *out, size_t n)
 {
-    size_t width, slots;
-    int rc = copy_check(t, n, &width, &slots);
-    if (rc < 0)
-        return rc;
-    if (out == NULL && slots > 0)
-        return -EINVAL;
-    if (HOST_LE && width == sizeof(float)) {
-        if (slots > 0)
-            memcpy(out, t->data, slots * sizeof(float));
-        return 0;
-    }
-    for (size_t i = 0; i < slots; i++)
-        out[i] = (float)load_le((const unsigned char *)t->data + i * width, width);
-    return 0;
+    return copy_out(t, out, n, sizeof(float));
 }

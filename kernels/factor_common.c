@@ -1,0 +1,208 @@
+/* What the factorization families share (factor_common.h): options and
+ * tolerances, validation, the ends of forward and reverse, and the
+ * per-dtype helpers of factor_common_t.h. */
+#include "factor_common.h"
+
+#include <float.h>
+#include <stdio.h>
+
+#include "strided.h"
+
+const pb_io_spec_t pb__fz_in_A[1] = {{"A", true}};
+const char *const pb__fz_wrt_A[1] = {"A"};
+
+int pb__fz_opt(const pb_op_t *op, const char *name)
+{
+    return pb_op_option_index(op, name, strlen(name));
+}
+
+static bool single(pb_dtype_t d) { return d == PB_F32 || d == PB_C64; }
+
+/* The spacing of floating-point numbers at x in d's precision (Julia's
+ * eps(x)). */
+static double ulp(double x, pb_dtype_t d)
+{
+    if (single(d)) {
+        float f = (float)x;
+        return (double)(nextafterf(f, INFINITY) - f);
+    }
+    return nextafter(x, INFINITY) - x;
+}
+
+void pb__fz_resolve(const pb_op_t *op, const pb_optval_t *opt, double amax, pb_dtype_t d, int k, fz_opts_t *o)
+{
+    double eps = single(d) ? FLT_EPSILON : DBL_EPSILON, tol = pow(ulp(amax, d), 0.75);
+    *o = (fz_opts_t){.rank_atol = tol, .deg_atol = tol, .gauge_atol = INFINITY, .herm_atol = sqrt(eps) * amax,
+                     .maxrank = k};
+    int i;
+#define GIVEN(name) ((i = pb__fz_opt(op, name)) >= 0 && opt[i].given)
+    if (GIVEN("rank_atol"))
+        o->rank_atol = opt[i].re;
+    if (GIVEN("degeneracy_atol"))
+        o->deg_atol = opt[i].re;
+    if (GIVEN("gauge_atol"))
+        o->gauge_atol = opt[i].re;
+    if (GIVEN("herm_atol"))
+        o->herm_atol = opt[i].re;
+    if (GIVEN("atol"))
+        o->atol = opt[i].re;
+    if (GIVEN("rtol"))
+        o->rtol = opt[i].re;
+    if (GIVEN("maxrank"))
+        o->maxrank = opt[i].i;
+    if (GIVEN("strict_gauge"))
+        o->strict = opt[i].b;
+#undef GIVEN
+}
+
+CBLAS_TRANSPOSE pb__fz_tr(char t)
+{
+    return t == 'N' ? CblasNoTrans : t == 'T' ? CblasTrans : CblasConjTrans;
+}
+
+/* ---- validation ----------------------------------------------------------- */
+
+int pb__fz_check(pb_call_t *c, bool square, pb_err_t *err)
+{
+    const pb_tensor_t *A = &c->in[0];
+    char s1[96];
+    if (A->rank != 2)
+        return pb_err_set(err, PB_ESHAPE_MISMATCH, "inputs.A", "A must be a matrix (m, n), got shape %s",
+                          pb_shape_str(A, s1, sizeof s1));
+    if (A->shape[0] > 46340 || A->shape[1] > 46340) /* m·n, m² stay below LAPACK's 2^31 */
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs.A",
+                          "A %s is larger than the 46340 rows or columns these factorizations take",
+                          pb_shape_str(A, s1, sizeof s1));
+    if (square && A->shape[0] != A->shape[1])
+        return pb_err_set(err, PB_ESHAPE_MISMATCH, "inputs.A", "%s needs a square A, got shape %s", c->op->name,
+                          pb_shape_str(A, s1, sizeof s1));
+    int i;
+    if ((i = pb__fz_opt(c->op, "maxrank")) >= 0 && c->opt[i].given && c->opt[i].i < 0)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "options.maxrank", "maxrank must be >= 0, got %lld",
+                          c->opt[i].i);
+    static const char *const tols[] = {"rank_atol", "degeneracy_atol", "gauge_atol", "herm_atol", "atol", "rtol"};
+    for (size_t t = 0; t < sizeof tols / sizeof tols[0]; t++)
+        if ((i = pb__fz_opt(c->op, tols[t])) >= 0 && c->opt[i].given && !(c->opt[i].re >= 0))
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, c->op->options[i].name,
+                              "%s must be a number >= 0, got %g", tols[t], c->opt[i].re);
+    return 0;
+}
+
+void pb__fz_meta(pb_call_t *c, int i, pb_dtype_t d, uint64_t r, int64_t cols)
+{
+    pb_tensor_t *t = &c->out_meta[i];
+    memset(t, 0, sizeof *t);
+    t->dtype = d;
+    t->order = c->order;
+    t->rank = cols < 0 ? 1 : 2;
+    t->shape[0] = r;
+    t->shape[1] = cols < 0 ? 0 : (uint64_t)cols;
+}
+
+size_t pb__fz_bytes(pb_dtype_t d, uint64_t r, uint64_t cols) { return (size_t)(r * cols) * pb_dtype_size(d); }
+
+void pb__fz_sized(pb_call_t *c, size_t tape, bool square)
+{
+    const uint64_t m = c->in[0].shape[0], n = c->in[0].shape[1], k = m < n ? m : n;
+    c->tape_bytes = c->taped && (c->wrt & 1u) ? tape : 0;
+    /* LAPACK's drivers: a few m·n·k, more for the eigensolvers */
+    double flops = (square ? 25.0 : 8.0) * (double)m * (double)n * (double)(k ? k : 1);
+    c->cost = flops * (pb_dtype_is_complex(c->dtype) ? 4.0 : 1.0);
+}
+
+/* ---- the ends of forward and reverse ----------------------------------------- */
+
+int pb__fz_finish(pb_call_t *c, pb_tapedata_t *tape, pb_tensor_t *o, pb_tensor_t *sv, int rc, pb_err_t *err)
+{
+    const bool keep = c->taped && (c->wrt & 1u);
+    /* outputs in the order asked for; truncated shapes are known now */
+    for (int i = 0; rc == 0 && i < c->op->noutputs; i++) {
+        if (c->order == 'C' && o[i].rank == 2) {
+            pb_tensor_t t = {0};
+            if (pb_tensor_to_order(&t, &o[i], 'C')) {
+                rc = PB_ENOMEM;
+                break;
+            }
+            pb_tensor_clear(&o[i]);
+            o[i] = t;
+        }
+        memcpy(c->out_meta[i].shape, o[i].shape, sizeof o[i].shape);
+        if (tape)
+            memcpy(tape->out_meta[i].shape, o[i].shape, sizeof o[i].shape);
+    }
+    for (int i = 0; i < 3; i++) {
+        if (rc)
+            pb_tensor_clear(&o[i]);
+        else
+            c->out[i] = o[i];
+        if (rc == 0 && keep && tape)
+            tape->saved[i] = sv[i];
+        else
+            pb_tensor_clear(&sv[i]);
+    }
+    if (rc == PB_ENOMEM)
+        return pb_err_set(err, PB_ENOMEM, NULL, "out of memory in %s", c->op->name);
+    return rc;
+}
+
+int pb__fz_rev_finish(const pb_tapedata_t *t, int rc, void *dA, double gauge, const fz_opts_t *op, pb_tensor_t *grad,
+                      char order, pb_warnings_t *warn, pb_err_t *err)
+{
+    if (rc == 0 && gauge > op->gauge_atol) {
+        if (op->strict)
+            rc = pb_err_set(err, PB_EGAUGE_DEPENDENT, "cotangents",
+                            "%s: the cotangents depend on the gauge (size %.3g, gauge_atol %.3g) and strict_gauge "
+                            "is set",
+                            t->op->name, gauge, op->gauge_atol);
+        else if (warn->n < PB_MAX_WARNINGS)
+            snprintf(warn->text[warn->n++], sizeof warn->text[0],
+                     "%s: the cotangents depend on the gauge (size %.3g > gauge_atol %.3g); that part was ignored",
+                     t->op->name, gauge, op->gauge_atol);
+    }
+    if (rc == 0) {
+        pb_tensor_t g = {0};
+        uint64_t sh[2] = {t->in_meta[0].shape[0], t->in_meta[0].shape[1]};
+        rc = PB_ENOMEM;
+        if (pb_tensor_alloc(&g, t->dtype, 2, sh, 'F', false) == 0) {
+            memcpy(pb_tensor_data(&g), dA, pb_tensor_bytes(&g));
+            if (order == 'C') {
+                rc = pb_tensor_to_order(&grad[0], &g, 'C');
+                pb_tensor_clear(&g);
+            } else {
+                grad[0] = g;
+                rc = 0;
+            }
+        }
+    }
+    free(dA);
+    if (rc == PB_ENOMEM)
+        return pb_err_set(err, PB_ENOMEM, NULL, "out of memory in the reverse of %s", t->op->name);
+    return rc;
+}
+
+int pb__fz_take(pb_tensor_t *dst, const pb_tensor_t *X, const int *sel, int r, bool rows)
+{
+    size_t isz = pb_dtype_size(X->dtype);
+    int m = (int)X->shape[0], n = X->rank == 2 ? (int)X->shape[1] : 1;
+    uint64_t sh[2] = {(uint64_t)(rows ? r : m), (uint64_t)(rows ? n : r)};
+    if (X->rank == 1)
+        sh[0] = (uint64_t)r;
+    if (pb_tensor_alloc(dst, X->dtype, X->rank, sh, 'F', false))
+        return PB_ENOMEM;
+    const char *src = pb_tensor_data(X);
+    char *d = pb_tensor_data(dst);
+    if (X->rank == 1)
+        for (int i = 0; i < r; i++)
+            memcpy(d + (size_t)i * isz, src + (size_t)sel[i] * isz, isz);
+    else if (!rows)
+        for (int j = 0; j < r; j++)
+            memcpy(d + (size_t)j * m * isz, src + (size_t)sel[j] * m * isz, (size_t)m * isz);
+    else
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < r; i++)
+                memcpy(d + ((size_t)j * r + i) * isz, src + ((size_t)j * m + sel[i]) * isz, isz);
+    return 0;
+}
+
+#define PB_T_BODY "factor_common_t.h"
+#include "dtype_t.h"

@@ -1,0 +1,306 @@
+/* The per-dtype helpers the factorization families share (declared, with
+ * what each does, in factor_common_p.h): a body for dtype_t.h, instantiated
+ * by factor_common.c. */
+
+T *FZ(zalloc)(size_t n)
+{
+    return pb_mem_calloc(n ? n : 1, sizeof(T));
+}
+
+RT *FZ(ralloc)(size_t n)
+{
+    return pb_mem_calloc(n ? n : 1, sizeof(RT));
+}
+
+void FZ(gemm)(char ta, char tb, int m, int n, int k, T alpha, const T *a, int lda, const T *b, int ldb, T beta, T *c,
+              int ldc)
+{
+    if (m <= 0 || n <= 0)
+        return;
+    CBLAS(gemm)(CblasColMajor, pb__fz_tr(ta), pb__fz_tr(tb), m, n, k < 0 ? 0 : k, SCAL(alpha), a, LD(lda), b, LD(ldb),
+                SCAL(beta), c, LD(ldc));
+}
+
+void FZ(adjoint)(const T *X, int m, int n, T *Y)
+{
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++)
+            E(Y, n, j, i) = CONJ(E(X, m, i, j));
+}
+
+double FZ(maxabs)(const T *M, int ld, int i0, int r, int j0, int c)
+{
+    double g = 0;
+    for (int j = j0; j < j0 + c; j++)
+        for (int i = i0; i < i0 + r; i++)
+            g = fmax(g, ABS(E(M, ld, i, j)));
+    return g;
+}
+
+double FZ(maxantiherm)(const T *X, int n)
+{
+    double g = 0;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i <= j; i++)
+            g = fmax(g, 0.5 * ABS(E(X, n, i, j) - CONJ(E(X, n, j, i))));
+    return g;
+}
+
+void FZ(antiherm)(T *X, int n)
+{
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i <= j; i++) {
+            T a = E(X, n, i, j), b = E(X, n, j, i);
+            E(X, n, i, j) = (T)((a - CONJ(b)) * 0.5);
+            E(X, n, j, i) = (T)((b - CONJ(a)) * 0.5);
+        }
+}
+
+/* A C-ordered matrix goes through the cache-blocked permutation pass. */
+void FZ(load)(const pb_tensor_t *t, T *dst, int m, int n)
+{
+    const T *src = pb_tensor_data(t);
+    if (t->rank == 2 && t->order == 'C' && m > 1 && n > 1) {
+        pb_loop_t L = {.rank = 2, .dim = {(uint64_t)m, (uint64_t)n}, .s = {{1, m}, {n, 1}}};
+        pb_strided(DT, &L, dst, src, false, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, false);
+    } else
+        memcpy(dst, src, (size_t)m * (size_t)n * sizeof(T));
+}
+
+/* max|A_i| over n entries, in one pass that also notices NaN and Inf
+ * (x − x is 0 for every finite x): *finite is false when there is one. */
+static double FN(amax)(const T *A, size_t n, bool *finite)
+{
+    double big = 0, bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        double re = RE(A[i]), im = IM(A[i]), a = re * re + im * im;
+        big = a > big ? a : big;
+        bad += (re - re) + (im - im);
+    }
+    *finite = bad == 0;
+    return sqrt(big);
+}
+
+int FZ(load_cot)(const pb_tensor_t *t, int m, int n, T **out)
+{
+    *out = NULL;
+    if (t->storage == NULL)
+        return 0;
+    if ((*out = FZ(zalloc)((size_t)m * (size_t)n)) == NULL)
+        return PB_ENOMEM;
+    FZ(load)(t, *out, m, n);
+    return 0;
+}
+
+int FZ(load_cot_r)(const pb_tensor_t *t, int n, RT **out)
+{
+    *out = NULL;
+    if (t->storage == NULL)
+        return 0;
+    if ((*out = FZ(ralloc)((size_t)n)) == NULL)
+        return PB_ENOMEM;
+    memcpy(*out, pb_tensor_data(t), (size_t)n * sizeof(RT));
+    return 0;
+}
+
+T *FZ(newmat)(pb_tensor_t *t, int m, int n)
+{
+    uint64_t sh[2] = {(uint64_t)m, (uint64_t)(n < 0 ? 1 : n)};
+    if (pb_tensor_alloc(t, DT, n < 0 ? 1 : 2, sh, 'F', true))
+        return NULL;
+    return pb_tensor_data(t);
+}
+
+RT *FZ(newvec_r)(pb_tensor_t *t, int n)
+{
+    uint64_t sh[1] = {(uint64_t)n};
+    return pb_tensor_alloc(t, RDT, 1, sh, 'F', true) ? NULL : pb_tensor_data(t);
+}
+
+void FZ(fix_phases)(T *V, int m, int c, T *ph)
+{
+    for (int j = 0; j < c; j++) {
+        int best = 0;
+        double big = -1;
+        for (int i = 0; i < m; i++) { /* squared magnitudes: no hypot per entry */
+            T v = E(V, m, i, j);
+            double a = RE(v) * RE(v) + IM(v) * IM(v);
+            if (a > big) {
+                big = a;
+                best = i;
+            }
+        }
+        big = sqrt(big);
+        T p = 1;
+        if (m > 0 && big > 0)
+            p = (T)(CONJ(E(V, m, best, j)) / big);
+        for (int i = 0; i < m; i++)
+            E(V, m, i, j) *= p;
+        if (m > 0)
+            E(V, m, best, j) = (T)ABS(E(V, m, best, j)); /* exactly real */
+        if (ph)
+            ph[j] = CONJ(p);
+    }
+}
+
+int FZ(lapack_fail)(const char *what, lapack_int info, pb_err_t *err)
+{
+    if (info < 0)
+        return pb_err_set(err, PB_EINTERNAL, NULL, "LAPACK %c%s rejected argument %d", LP_CHAR, what, (int)-info);
+    int rc = pb_err_set(err, PB_ENUMERICAL, "inputs.A", "LAPACK %c%s did not converge (info %d)", LP_CHAR, what,
+                        (int)info);
+    err->info = info;
+    err->has_info = 1;
+    return rc;
+}
+
+/* The forward's start: A (m×n) as a fresh column-major array, NaN and
+ * Inf refused, the options resolved, max|A_ij| kept in the tape. */
+static int FN(input)(const pb_call_t *c, pb_tapedata_t *tape, T **A, fz_opts_t *op, pb_err_t *err)
+{
+    const pb_tensor_t *At = &c->in[0];
+    const int m = (int)At->shape[0], n = (int)At->shape[1], k = m < n ? m : n;
+    T *a = FZ(zalloc)((size_t)m * n);
+    if (a == NULL)
+        return pb_err_set(err, PB_ENOMEM, NULL, "out of memory in %s", c->op->name);
+    FZ(load)(At, a, m, n);
+    bool finite;
+    double amax = FN(amax)(a, (size_t)m * n, &finite);
+    if (!finite) {
+        free(a);
+        return pb_err_set(err, PB_ENUMERICAL, "inputs.A", "A has NaN or Inf entries: %s refuses them", c->op->name);
+    }
+    pb__fz_resolve(c->op, c->opt, amax, DT, k, op);
+    if (tape)
+        tape->scalars[0] = amax;
+    *A = a;
+    return 0;
+}
+
+/* Frobenius norm of a tensor's entries (0 for an absent one). */
+static double FN(tnorm)(const pb_tensor_t *t)
+{
+    if (t->storage == NULL)
+        return 0;
+    size_t n = pb_tensor_count(t);
+    double s = 0;
+    /* a complex tensor as its 2n real parts: |z|² = re² + im² without
+     * cabs's overflow-safe (and slow) hypot; a gauge threshold needs no
+     * more range than a double's */
+    if (t->dtype == RDT || t->dtype == CDT) {
+        const RT *x = pb_tensor_data(t);
+        size_t nr = t->dtype == CDT ? 2 * n : n;
+        for (size_t i = 0; i < nr; i++)
+            s += (double)x[i] * (double)x[i];
+    }
+    return sqrt(s);
+}
+
+/* The reverse's start: the options as the forward resolved them, the
+ * default gauge_atol from the cotangents' norm, and a zeroed dA (m×n). */
+static int FN(rev_begin)(const pb_tapedata_t *t, const pb_tensor_t *cot, fz_opts_t *op, T **dA)
+{
+    const int m = (int)t->in_meta[0].shape[0], n = (int)t->in_meta[0].shape[1], k = m < n ? m : n;
+    pb__fz_resolve(t->op, t->opt, t->scalars[0], DT, k, op);
+    double cn = 0;
+    for (int i = 0; i < t->op->noutputs; i++)
+        cn = hypot(cn, FN(tnorm)(&cot[i]));
+    int gi = pb__fz_opt(t->op, "gauge_atol");
+    if (gi < 0 || !t->opt[gi].given)
+        op->gauge_atol = 10.0 * pow(DT == PB_F32 || DT == PB_C64 ? FLT_EPSILON : DBL_EPSILON, 0.75) * cn;
+    *dA = FZ(zalloc)((size_t)m * n);
+    return *dA ? 0 : PB_ENOMEM;
+}
+
+int FZ(forward)(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err, FZ(factor_fn) *factor)
+{
+    pb_tensor_t o[3] = {{0}}, sv[3] = {{0}};
+    fz_opts_t op;
+    T *A = NULL;
+    int rc = FN(input)(c, tape, &A, &op, err);
+    if (rc)
+        return rc;
+    rc = factor(c, A, &op, o, sv, err);
+    free(A);
+    return pb__fz_finish(c, tape, o, sv, rc, err);
+}
+
+int FZ(reverse)(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_t *grad, char order, pb_warnings_t *warn,
+                pb_err_t *err, FZ(pullback_fn) *pullback)
+{
+    if (!(t->wrt & 1u))
+        return 0;
+    fz_opts_t op;
+    T *dA = NULL;
+    double gauge = 0;
+    int rc = FN(rev_begin)(t, cot, &op, &dA);
+    if (rc == 0)
+        rc = pullback(t, cot, &op, dA, &gauge, err);
+    return pb__fz_rev_finish(t, rc, dA, gauge, &op, grad, order, warn, err);
+}
+
+int FZ(fd_opts)(const pb_call_t *c, fz_opts_t *op)
+{
+    const int m = (int)c->in[0].shape[0], n = (int)c->in[0].shape[1], k = m < n ? m : n;
+    T *A = FZ(zalloc)((size_t)m * n);
+    if (A == NULL)
+        return PB_ENOMEM;
+    bool finite;
+    FZ(load)(&c->in[0], A, m, n);
+    double amax = FN(amax)(A, (size_t)m * n, &finite);
+    free(A);
+    pb__fz_resolve(c->op, c->opt, amax, DT, k, op);
+    return 0;
+}
+
+void FZ(drop_phase)(const T *V, int m, int c, T *dV, const double *extra)
+{
+#if CPLX
+    for (int j = 0; j < c; j++) {
+        T s = 0;
+        for (int i = 0; i < m; i++)
+            s += CONJ(E(V, m, i, j)) * E(dV, m, i, j);
+        double a = IM(s) + (extra ? extra[j] : 0.0);
+        for (int i = 0; i < m; i++)
+            E(dV, m, i, j) -= (T)(I * a) * E(V, m, i, j);
+    }
+#else
+    (void)V, (void)m, (void)c, (void)dV, (void)extra;
+#endif
+}
+
+void FZ(onto_span)(const T *Q, int m, int p, T *dX, int j0, int c)
+{
+    if (j0 >= c)
+        return;
+    T *Y = FZ(zalloc)((size_t)(p ? p : 1) * (size_t)(c - j0)), *Z = FZ(zalloc)((size_t)m * (size_t)(c - j0));
+    if (Y && Z) {
+        const T one = 1, zero = 0;
+        FZ(gemm)('C', 'N', p, c - j0, m, one, Q, m, dX + (size_t)j0 * m, m, zero, Y, p);
+        FZ(gemm)('N', 'N', m, c - j0, p, one, Q, m, Y, p, zero, Z, m);
+        memcpy(dX + (size_t)j0 * m, Z, (size_t)m * (size_t)(c - j0) * sizeof(T));
+    }
+    free(Y);
+    free(Z);
+}
+
+void FZ(store_back)(pb_tensor_t *t, const T *src, int m, int n)
+{
+    T *dst = pb_tensor_data(t);
+    if (t->rank == 2 && t->order == 'C')
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < n; j++)
+                dst[(size_t)i * n + j] = E(src, m, i, j);
+    else
+        memcpy(dst, src, (size_t)m * n * sizeof(T));
+}
+
+T *FZ(out_arr)(const pb_call_t *c, int i)
+{
+    const pb_tensor_t *t = &c->out[i];
+    int m = (int)t->shape[0], n = t->rank == 2 ? (int)t->shape[1] : 1;
+    T *a = FZ(zalloc)((size_t)m * n);
+    if (a)
+        FZ(load)(t, a, m, n);
+    return a;
+}
