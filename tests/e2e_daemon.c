@@ -37,7 +37,6 @@ static daemon_t solo;
 
 /* Start pullbackd for d with extra flags; the list ends with NULL. */
 #define start(d, ...) daemon_start((d), daemon_bin, (const char *const[]){__VA_ARGS__})
-#define stop(d) daemon_stop(d)
 
 static int stop_solo(void **state)
 {
@@ -786,7 +785,7 @@ static void limits(void **state)
     assert_null(r.error);
     pb_reply_free(&r);
     pb_client_close(c);
-    assert_int_equal(stop(d), 0);
+    assert_int_equal(daemon_stop(d), 0);
 }
 
 static void shutdown_method(void **state)
@@ -818,7 +817,7 @@ static void shutdown_method(void **state)
     } else {
         assert_string_equal(pb_reply_code(&r), "permission_denied");
         pb_reply_free(&r);
-        assert_int_equal(stop(d), 0);
+        assert_int_equal(daemon_stop(d), 0);
     }
     pb_client_close(c);
     pb_client_close(o);
@@ -855,7 +854,7 @@ static void socket_takeover(void **state)
     assert_null(r.error);
     pb_reply_free(&r);
     pb_client_close(c);
-    assert_int_equal(stop(d), 0);
+    assert_int_equal(daemon_stop(d), 0);
 }
 
 /* Past --max-inflight-per-connection the daemon stops reading from the
@@ -879,7 +878,7 @@ static void back_pressure(void **state)
         pb_reply_free(&r);
     }
     pb_client_close(c);
-    assert_int_equal(stop(d), 0);
+    assert_int_equal(daemon_stop(d), 0);
 }
 
 /* SIGTERM: what was sent before the signal is answered normally, then the
@@ -1165,7 +1164,7 @@ static void drain_method(void **state)
         pb_reply_free(&r);
     }
     pb_client_close(c);
-    assert_int_equal(stop(d), 0);
+    assert_int_equal(daemon_stop(d), 0);
 }
 
 static double now_s(void)
@@ -1238,7 +1237,7 @@ static int setup(void **state)
 static int teardown(void **state)
 {
     (void)state;
-    return stop(&main_daemon);
+    return daemon_stop(&main_daemon);
 }
 
 int main(int argc, char **argv)
