@@ -42,8 +42,10 @@ typedef struct pb_pool {
     int started;          /* workers that reached their loop */
 } pb_pool_t;
 
-/* Start n CPU workers and wait until each is running.  0 or a negative
- * error. */
+/* Start n CPU workers (at least one) and wait until each is running.  0,
+ * or a negative PB_E* code with the cause logged; on failure nothing is
+ * left running, and the async handle's close completes on the loop's next
+ * run. */
 int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n);
 void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job);
 /* Stop the workers (after the jobs they run) and close the async handle;

@@ -104,7 +104,7 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     if (rc)
         return rc;
     if ((rc = pb_pool_init(&s->pool, loop, cfg->workers)))
-        return rc;
+        goto fail;
     uv_check_init(loop, &s->flush);
     s->flush.data = s;
     uv_check_start(&s->flush, on_flush);
@@ -129,6 +129,10 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     uv_unref((uv_handle_t *)&s->status_timer);
     uv_unref((uv_handle_t *)&s->watchdog_timer);
     return 0;
+
+fail:
+    pb_tapes_destroy(&s->tapes);
+    return rc;
 }
 
 /* Is a daemon answering on path?  Refuse to take its socket if so. */
@@ -164,7 +168,7 @@ static int listen_activated(pb_server_t *s)
         pb_log(PB_LOG_ERR, "cannot listen on the socket from systemd (%s): %s (%s)", path, uv_strerror(rc),
                uv_err_name(rc));
         uv_close((uv_handle_t *)&s->listener, NULL);
-        return rc;
+        return pb_err_from_sys(rc);
     }
     /* The path is for logs only: the socket file is systemd's. */
     snprintf(s->cfg.socket_path, sizeof s->cfg.socket_path, "%s", path);
@@ -205,11 +209,11 @@ int pb_server_listen(pb_server_t *s)
     if (lstat(path, &st) == 0) {
         if (!S_ISSOCK(st.st_mode)) {
             pb_log(PB_LOG_ERR, "%s exists and is not a socket; not replacing it", path);
-            return UV_EEXIST;
+            return PB_EINVALID_ARGUMENT;
         }
         if (socket_alive(path)) {
             pb_log(PB_LOG_ERR, "another daemon is answering on %s; not taking its socket", path);
-            return UV_EADDRINUSE;
+            return pb_err_from_sys(UV_EADDRINUSE);
         }
         pb_log(PB_LOG_NOTICE, "replacing stale socket %s", path);
         unlink(path);
@@ -227,7 +231,7 @@ int pb_server_listen(pb_server_t *s)
     if (rc) {
         pb_log(PB_LOG_ERR, "cannot listen on %s: %s (%s)", path, uv_strerror(rc), uv_err_name(rc));
         uv_close((uv_handle_t *)&s->listener, NULL);
-        return rc;
+        return pb_err_from_sys(rc);
     }
     s->listening = true;
     ready(s);

@@ -141,12 +141,13 @@ typedef struct pb_server {
     uid_t self_uid;
 } pb_server_t;
 
-/* Start the workers and the loop's handles.  argc/argv and default_config
+/* Start the workers and the loop's handles: 0, or a negative PB_E* code
+ * (the cause logged) with nothing left to destroy.  argc/argv and default_config
  * are kept (not copied) for SIGHUP reloads; they must outlive the server. */
 int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int argc, char **argv,
                    const char *default_config);
 /* Take the socket systemd passed, or bind cfg.socket_path; then tell
- * systemd READY=1.  0 or a negative error (logged). */
+ * systemd READY=1.  0, or a negative PB_E* code (the cause logged). */
 int pb_server_listen(pb_server_t *s);
 /* SIGHUP: load the config again and apply what may change in place; a bad
  * file is logged and changes nothing. */
