@@ -20,11 +20,11 @@
  * copied out of it. */
 #define BIG_MESSAGE (64u << 10)
 #define READ_CHUNK (64u << 10)
-/* Stop reading from a connection past this many queued + reserved bytes
- * (server.h): what a client that does not read its replies may cost. */
-#define MAX_QUEUED ((size_t)64 << 20)
-/* A connection that held this much hands the memory back when it goes. */
-#define TRIM_AFTER (MAX_QUEUED / 4)
+/* Reading stops past max_queued_bytes_per_connection queued + reserved
+ * bytes (server.h): what a client that does not read its replies may
+ * cost.  A connection that held a quarter of that hands the memory back
+ * when it goes. */
+#define TRIM_AFTER(c) ((c)->srv->cfg.max_queued_bytes_per_connection / 4)
 
 static void on_close(uv_handle_t *h)
 {
@@ -36,7 +36,7 @@ void pb_conn_unref(pb_conn_t *c)
 {
     if (--c->refs > 0)
         return;
-    bool trim = c->held_max >= TRIM_AFTER;
+    bool trim = c->held_max >= TRIM_AFTER(c);
     pb_buffers_destroy(&c->buffers); /* emptied at close already; this frees the table */
     free(c->buf);
     msgpack_sbuffer_destroy(&c->obuf);
@@ -300,7 +300,7 @@ static bool blocked(const pb_conn_t *c)
 {
     if (c->last_read)
         return false;
-    return c->inflight >= c->srv->cfg.max_inflight_per_connection || c->pending_write + c->reserved > MAX_QUEUED;
+    return c->inflight >= c->srv->cfg.max_inflight_per_connection || c->pending_write + c->reserved > c->srv->cfg.max_queued_bytes_per_connection;
 }
 
 void pb_conn_process(pb_conn_t *c)

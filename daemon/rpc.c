@@ -274,21 +274,13 @@ static void enc_hello(pb_req_t *r, pb_out_t *o)
     pb_out_str(o, "dtypes");
     pack_dtypes(o, PB_DTYPES_ALL);
     pb_out_str(o, "limits");
-    msgpack_pack_map(&o->pk, 7);
-    pb_out_str(o, "max_message_bytes");
-    msgpack_pack_uint64(&o->pk, cfg->max_message_bytes);
-    pb_out_str(o, "max_tape_bytes");
-    msgpack_pack_uint64(&o->pk, cfg->max_tape_bytes);
-    pb_out_str(o, "max_tape_bytes_per_uid");
-    msgpack_pack_uint64(&o->pk, cfg->max_tape_bytes_per_uid);
-    pb_out_str(o, "max_tapes_per_connection");
-    msgpack_pack_uint64(&o->pk, cfg->max_tapes_per_connection);
-    pb_out_str(o, "max_inflight_per_connection");
-    msgpack_pack_uint64(&o->pk, cfg->max_inflight_per_connection);
-    pb_out_str(o, "max_buffers_per_connection");
-    msgpack_pack_uint64(&o->pk, cfg->max_buffers_per_connection);
-    pb_out_str(o, "max_buffer_bytes_per_connection");
-    msgpack_pack_uint64(&o->pk, cfg->max_buffer_bytes_per_connection);
+    pb_config_limit_t lim[PB_CONFIG_MAX_LIMITS];
+    int n = pb_config_limits(cfg, lim);
+    msgpack_pack_map(&o->pk, (size_t)n);
+    for (int i = 0; i < n; i++) {
+        pb_out_str(o, lim[i].name);
+        msgpack_pack_uint64(&o->pk, lim[i].value);
+    }
 }
 
 static const char *const opt_type_names[] = {"str", "bool", "int", "float", "scalar", "axes", "axes2", "str"};

@@ -286,24 +286,15 @@ void pb_server_reload(pb_server_t *s)
     }
     reload_ctx_t ctx = {.s = s};
     pb_config_diff(&s->cfg, &n, reload_change, &ctx);
-    pb_config_t *c = &s->cfg;
-    c->max_message_bytes = n.max_message_bytes;
-    c->max_tape_bytes = n.max_tape_bytes;
-    c->max_tape_bytes_per_uid = n.max_tape_bytes_per_uid;
-    c->max_tapes_per_connection = n.max_tapes_per_connection;
-    c->max_inflight_per_connection = n.max_inflight_per_connection;
-    c->max_buffers_per_connection = n.max_buffers_per_connection;
-    c->max_buffer_bytes_per_connection = n.max_buffer_bytes_per_connection;
-    c->drain_timeout_s = n.drain_timeout_s;
-    c->log_level = n.log_level;
-    memcpy(c->config_file, n.config_file, sizeof c->config_file);
+    pb_config_apply_reloadable(&s->cfg, &n);
     s->tapes.max_bytes = n.max_tape_bytes;
     s->tapes.max_bytes_per_uid = n.max_tape_bytes_per_uid;
     pb_log_level = n.log_level;
     pb_log(PB_LOG_NOTICE, "reloaded %s: %d settings changed, %d need a restart",
            n.config_file[0] ? n.config_file : "(no config file)", ctx.applied, ctx.refused);
-    /* A changed in-flight limit needs no wake-up: a connection paused by
-     * the old one has a request in flight, whose end re-checks the limit. */
+    /* A changed in-flight or queued-bytes limit needs no wake-up: a
+     * connection paused by the old one has a request in flight or a write
+     * queued, whose end re-checks the limit. */
     update_status(s);
     pb_sd_notify("READY=1\nSTATUS=%s", s->status);
 }

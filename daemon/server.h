@@ -15,7 +15,8 @@
  *   reserved    bytes the requests in flight hold or will queue: each
  *               request's message, and the size of its reply as soon as
  *               it is known (outputs of a forward, gradients of a
- *               reverse).  Past 64 MiB of queued + reserved bytes the
+ *               reverse).  Past max_queued_bytes_per_connection
+ *               (64 MiB by default) of queued + reserved bytes the
  *               daemon stops reading from the connection, so a client
  *               that never reads costs about that much, whatever its
  *               in-flight limit; one request is always let in, however
