@@ -12,7 +12,6 @@
 
 #include "../kernels/blas.h"
 #include "log.h"
-#include "rpc.h"
 #include "sd.h"
 
 /* How often STATUS= is refreshed (only sent when its text changed). */
@@ -25,17 +24,30 @@ static void on_connection(uv_stream_t *l, int status)
         pb_log(PB_LOG_WARNING, "accept: %s", uv_strerror(status));
         return;
     }
-    pb_conn_accept(s);
+    pb_conns_accept(&s->conns, l);
 }
 
 static void on_flush(uv_check_t *h)
 {
-    pb_conn_flush_all(h->data);
+    pb_server_t *s = h->data;
+    pb_conns_flush(&s->conns);
 }
 
 static void on_sweep(uv_timer_t *t)
 {
-    pb_rpc_sweep(t->data);
+    pb_server_t *s = t->data;
+    pb_rpc_sweep(&s->rpc);
+}
+
+/* The hooks the layers below call back. */
+static void on_idle(void *data)
+{
+    pb_server_maybe_finish(data);
+}
+
+static void on_shutdown(void *data)
+{
+    pb_server_stop(data);
 }
 
 static void on_signal(uv_signal_t *h, int sig)
@@ -56,8 +68,9 @@ static bool update_status(pb_server_t *s)
 {
     char st[sizeof s->status];
     snprintf(st, sizeof st, "%s%zu connections, %zu tapes held (%zu bytes), %llu requests served",
-             s->stopping ? "draining: " : s->draining ? "drained (no new forward calls): " : "",
-             s->nconns, s->tapes.count, s->tapes.bytes, (unsigned long long)s->requests_served);
+             s->stopping ? "draining: " : s->rpc.draining ? "drained (no new forward calls): " : "",
+             pb_conns_count(&s->conns), s->rpc.tapes.count, s->rpc.tapes.bytes,
+             (unsigned long long)s->rpc.requests_served);
     if (strcmp(st, s->status) == 0)
         return false;
     memcpy(s->status, st, sizeof st);
@@ -82,8 +95,8 @@ static void on_drain_timeout(uv_timer_t *t)
 {
     pb_server_t *s = t->data;
     pb_log(PB_LOG_WARNING, "drain timeout: %llu requests still in flight are abandoned",
-           (unsigned long long)s->requests_in_flight);
-    s->requests_in_flight = 0;
+           (unsigned long long)s->rpc.requests_in_flight);
+    s->rpc.requests_in_flight = 0;
     s->drain_expired = true;
     pb_server_maybe_finish(s);
 }
@@ -97,14 +110,14 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     s->argc = argc;
     s->argv = argv;
     s->default_config = default_config;
-    s->self_uid = getuid();
-    s->start_ms = uv_now(loop);
     pb_blas_init_threads(1);
-    int rc = pb_tapes_init(&s->tapes, cfg->max_tape_bytes, cfg->max_tape_bytes_per_uid);
+    pb_conns_init(&s->conns, loop, &s->cfg,
+                  (pb_conn_cbs_t){.on_message = pb_rpc_message, .on_close = pb_rpc_conn_closed,
+                                  .on_idle = on_idle, .data = &s->rpc});
+    int rc = pb_rpc_init(&s->rpc, loop, &s->cfg, &s->conns,
+                         (pb_rpc_hooks_t){.stop = on_shutdown, .request_done = on_idle, .data = s});
     if (rc)
         return rc;
-    if ((rc = pb_pool_init(&s->pool, loop, cfg->workers)))
-        goto fail;
     uv_check_init(loop, &s->flush);
     s->flush.data = s;
     uv_check_start(&s->flush, on_flush);
@@ -129,10 +142,6 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     uv_unref((uv_handle_t *)&s->status_timer);
     uv_unref((uv_handle_t *)&s->watchdog_timer);
     return 0;
-
-fail:
-    pb_tapes_destroy(&s->tapes);
-    return rc;
 }
 
 /* Is a daemon answering on path?  Refuse to take its socket if so. */
@@ -287,8 +296,8 @@ void pb_server_reload(pb_server_t *s)
     reload_ctx_t ctx = {.s = s};
     pb_config_diff(&s->cfg, &n, reload_change, &ctx);
     pb_config_apply_reloadable(&s->cfg, &n);
-    s->tapes.max_bytes = n.max_tape_bytes;
-    s->tapes.max_bytes_per_uid = n.max_tape_bytes_per_uid;
+    s->rpc.tapes.max_bytes = n.max_tape_bytes;
+    s->rpc.tapes.max_bytes_per_uid = n.max_tape_bytes_per_uid;
     pb_log_level = n.log_level;
     pb_log(PB_LOG_NOTICE, "reloaded %s: %d settings changed, %d need a restart",
            n.config_file[0] ? n.config_file : "(no config file)", ctx.applied, ctx.refused);
@@ -304,18 +313,13 @@ void pb_server_stop(pb_server_t *s)
     if (s->stopping)
         return;
     s->stopping = true;
+    s->rpc.stopping = true;
     close_listener(s);
     update_status(s);
     pb_sd_notify("STOPPING=1\nSTATUS=%s", s->status);
     /* What each client sent before now is served: bytes buffered here plus
      * those still waiting in the socket. */
-    for (pb_conn_t *c = s->conns; c; c = c->next) {
-        uv_os_fd_t fd;
-        int pending = 0;
-        if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0)
-            ioctl(fd, FIONREAD, &pending);
-        c->drain_left = (c->len - c->start) + (size_t)(pending > 0 ? pending : 0);
-    }
+    pb_conns_stop(&s->conns);
     uv_timer_start(&s->drain_timer, on_drain_timeout, (uint64_t)(s->cfg.drain_timeout_s * 1000), 0);
     pb_server_maybe_finish(s);
 }
@@ -329,13 +333,8 @@ static void on_last_read(uv_timer_t *t)
     pb_server_t *s = t->data;
     if (s->stopped)
         return;
-    if (!s->drain_expired) {
-        pb_conn_t *next;
-        for (pb_conn_t *c = s->conns; c; c = next) {
-            next = c->next;
-            pb_conn_last_read(c);
-        }
-    }
+    if (!s->drain_expired)
+        pb_conns_last_read(&s->conns);
     s->last_read_done = true;
     pb_server_maybe_finish(s);
 }
@@ -346,11 +345,8 @@ void pb_server_maybe_finish(pb_server_t *s)
         return;
     /* Past the drain timeout nothing more is waited for. */
     if (!s->drain_expired) {
-        if (s->requests_in_flight > 0)
+        if (s->rpc.requests_in_flight > 0 || !pb_conns_drained(&s->conns))
             return;
-        for (pb_conn_t *c = s->conns; c; c = c->next)
-            if (c->drain_left > 0 && !c->closing)
-                return;
         if (!s->last_read_done) {
             if (!s->last_read_started) {
                 s->last_read_started = true;
@@ -361,13 +357,11 @@ void pb_server_maybe_finish(pb_server_t *s)
     }
     /* Every answer must be out before the connections close: uv_close
      * would cancel writes still queued. */
-    pb_conn_flush_all(s);
-    for (pb_conn_t *c = s->conns; c; c = c->next)
-        if (c->pending_write > 0 && !c->closing && !s->drain_expired)
-            return; /* on_write calls back here */
+    pb_conns_flush(&s->conns);
+    if (!s->drain_expired && !pb_conns_written(&s->conns))
+        return; /* on_write calls back here */
     s->stopped = true;
-    while (s->conns)
-        pb_conn_close(s->conns);
+    pb_conns_close_all(&s->conns);
     uv_timer_stop(&s->drain_timer);
     uv_timer_stop(&s->last_read_timer);
     uv_stop(s->loop);
@@ -380,7 +374,7 @@ static void close_cb_noop(uv_handle_t *h)
 
 void pb_server_destroy(pb_server_t *s)
 {
-    pb_pool_stop(&s->pool);
+    pb_rpc_stop_workers(&s->rpc);
     uv_check_stop(&s->flush);
     uv_close((uv_handle_t *)&s->flush, close_cb_noop);
     uv_close((uv_handle_t *)&s->sweep, close_cb_noop);
@@ -393,7 +387,5 @@ void pb_server_destroy(pb_server_t *s)
     uv_close((uv_handle_t *)&s->watchdog_timer, close_cb_noop);
     close_listener(s);
     uv_run(s->loop, UV_RUN_DEFAULT);
-    if (s->tapes.count)
-        pb_log(PB_LOG_NOTICE, "freeing %zu tapes still held (%zu bytes)", s->tapes.count, s->tapes.bytes);
-    pb_tapes_destroy(&s->tapes);
+    pb_rpc_destroy(&s->rpc);
 }
