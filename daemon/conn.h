@@ -156,34 +156,41 @@ void pb_conns_last_read(pb_conns_t *s);
 void pb_conns_close_all(pb_conns_t *s);
 /* Write the replies batched in this loop iteration. */
 void pb_conns_flush(pb_conns_t *s);
-size_t pb_conns_count(const pb_conns_t *s);
 
 /* ---- one connection (the message layer's side) --------------------------- */
 
 /* Queue a reply; takes what o owns (o is emptied). */
 void pb_conn_send(pb_conn_t *c, pb_out_t *o);
 void pb_conn_close(pb_conn_t *c);
-void pb_conn_ref(pb_conn_t *c);
 void pb_conn_unref(pb_conn_t *c);
-/* A request of c begins: it counts as in flight until
- * pb_conn_request_done. */
-void pb_conn_request_begin(pb_conn_t *c);
-/* Count bytes a request holds or will queue against c's cap. */
-void pb_conn_reserve(pb_conn_t *c, size_t bytes);
 /* A request of c finished and gave back the reserved bytes it held:
  * resume reading if it was paused. */
 void pb_conn_request_done(pb_conn_t *c, size_t reserved);
-bool pb_conn_closing(const pb_conn_t *c);
-uint64_t pb_conn_id(const pb_conn_t *c);
-uid_t pb_conn_uid(const pb_conn_t *c);
-pid_t pb_conn_pid(const pb_conn_t *c);
+
+/* The accessors the layers above use instead of the fields. */
+static inline size_t pb_conns_count(const pb_conns_t *s) { return s->count; }
+static inline void pb_conn_ref(pb_conn_t *c) { c->refs++; }
+/* A request of c begins: it counts as in flight until
+ * pb_conn_request_done. */
+static inline void pb_conn_request_begin(pb_conn_t *c) { c->inflight++; }
+/* Count bytes a request holds or will queue against c's cap. */
+static inline void pb_conn_reserve(pb_conn_t *c, size_t bytes) { c->reserved += bytes; }
+static inline bool pb_conn_closing(const pb_conn_t *c) { return c->closing; }
+static inline uint64_t pb_conn_id(const pb_conn_t *c) { return c->id; }
+static inline uid_t pb_conn_uid(const pb_conn_t *c) { return c->uid; }
+static inline pid_t pb_conn_pid(const pb_conn_t *c) { return c->pid; }
 /* The zone the message being served is unpacked into (cleared after). */
-msgpack_zone *pb_conn_zone(pb_conn_t *c);
-pb_buffers_t *pb_conn_buffers(pb_conn_t *c);
-pb_tape_list_t *pb_conn_tapes(pb_conn_t *c);
+static inline msgpack_zone *pb_conn_zone(pb_conn_t *c) { return &c->zone; }
+static inline pb_buffers_t *pb_conn_buffers(pb_conn_t *c) { return &c->buffers; }
+static inline pb_tape_list_t *pb_conn_tapes(pb_conn_t *c) { return &c->tapes; }
 /* How many fds came with the message being served. */
-int pb_conn_msg_nfds(const pb_conn_t *c);
+static inline int pb_conn_msg_nfds(const pb_conn_t *c) { return c->msg_nfds; }
 /* Take fd i of the message being served: the caller closes it. */
-int pb_conn_take_fd(pb_conn_t *c, int i);
+static inline int pb_conn_take_fd(pb_conn_t *c, int i)
+{
+    int fd = c->msg_fds[i];
+    c->msg_fds[i] = -1;
+    return fd;
+}
 
 #endif
