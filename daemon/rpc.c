@@ -143,9 +143,10 @@ void pb__req_submit(pb_req_t *r, double cost, pb_device_t dev)
 
 /* ---- the method table ----------------------------------------------------- */
 
+/* A new method is a row here and a handler in calls.c or admin.c. */
 static const struct method {
     const char *name;
-    void (*fn)(pb_req_t *, const msgpack_object *, pb_storage_t *);
+    pb_method_fn *fn;
 } methods[] = {
     {"hello", pb__m_hello},
     {"ops", pb__m_ops},
