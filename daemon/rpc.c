@@ -42,9 +42,8 @@ void pb_rpc_destroy(pb_rpc_t *r)
     pb_tapes_destroy(&r->tapes);
 }
 
-void pb_rpc_conn_closed(pb_conn_t *c, void *data)
+void pb_rpc_conn_closed(pb_rpc_t *rpc, pb_conn_t *c)
 {
-    pb_rpc_t *rpc = data;
     pb_tapes_list_closed(&rpc->tapes, pb_conn_tapes(c));
 }
 
@@ -175,9 +174,8 @@ static void reply_early(pb_rpc_t *rpc, pb_conn_t *c, uint32_t msgid, int code, c
     rpc->requests_served++;
 }
 
-void pb_rpc_message(pb_conn_t *c, pb_storage_t *msg, bool late, void *data)
+void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
 {
-    pb_rpc_t *rpc = data;
     msgpack_zone *zone = pb_conn_zone(c);
     msgpack_object root;
     size_t off = 0;

@@ -1,6 +1,6 @@
 /* The request layer: the msgpack-RPC envelope, the method table and the
  * request lifecycle (decode, dispatch, run inline or on the pool, answer,
- * free).  The connection set calls it for each framed message
+ * free).  The server's connection callbacks hand it each framed message
  * (pb_rpc_message) and each closing connection (pb_rpc_conn_closed); it
  * tells the server above only through the hooks it was given.
  *
@@ -71,12 +71,12 @@ void pb_rpc_stop_workers(pb_rpc_t *r);
 /* Free the tapes still held. */
 void pb_rpc_destroy(pb_rpc_t *r);
 
-/* The connection set's callbacks (data: the pb_rpc_t).  Serve one framed
- * message held in msg; late: it arrived after SIGTERM's drain budget and
- * is answered shutting_down. */
-void pb_rpc_message(pb_conn_t *c, pb_storage_t *msg, bool late, void *data);
+/* What the server's connection callbacks call.  Serve one framed message
+ * held in msg; late: it arrived after SIGTERM's drain budget and is
+ * answered shutting_down. */
+void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late);
 /* c is closing: free its connection-scoped tapes, detach the others. */
-void pb_rpc_conn_closed(pb_conn_t *c, void *data);
+void pb_rpc_conn_closed(pb_rpc_t *rpc, pb_conn_t *c);
 /* Drop the tapes whose ttl has passed (not busy ones). */
 void pb_rpc_sweep(pb_rpc_t *r);
 

@@ -38,7 +38,20 @@ static void on_sweep(uv_timer_t *t)
     pb_rpc_sweep(&s->rpc);
 }
 
-/* The hooks the layers below call back. */
+/* The callbacks the layers below call, all with the server as data: the
+ * server wires the connections to the request layer. */
+static void on_message(pb_conn_t *c, pb_storage_t *msg, bool late, void *data)
+{
+    pb_server_t *s = data;
+    pb_rpc_message(&s->rpc, c, msg, late);
+}
+
+static void on_conn_close(pb_conn_t *c, void *data)
+{
+    pb_server_t *s = data;
+    pb_rpc_conn_closed(&s->rpc, c);
+}
+
 static void on_idle(void *data)
 {
     pb_server_maybe_finish(data);
@@ -111,8 +124,8 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     s->default_config = default_config;
     pb_blas_init_threads(1);
     pb_conns_init(&s->conns, loop, &s->cfg,
-                  (pb_conn_cbs_t){.on_message = pb_rpc_message, .on_close = pb_rpc_conn_closed,
-                                  .on_idle = on_idle, .data = &s->rpc});
+                  (pb_conn_cbs_t){.on_message = on_message, .on_close = on_conn_close, .on_idle = on_idle,
+                                  .data = s});
     int rc = pb_rpc_init(&s->rpc, loop, &s->cfg, &s->conns,
                          (pb_rpc_hooks_t){.stop = on_shutdown, .request_done = on_idle, .data = s});
     if (rc)

@@ -1,7 +1,8 @@
 /* The server: the process's top layer.  It owns the listening socket, the
  * signals and timers, the connection set (conn.h) and the request layer
  * (rpc.h), and wires them together: it hands the connections their
- * message and close callbacks, which lead into the request layer, so the
+ * message, close and idle callbacks (server.c's on_message, on_conn_close
+ * and on_idle, which call the request layer or finish a stop), so the
  * layers below never name the ones above.  Includes run one way:
  * server -> conn, rpc; rpc -> conn, tape, pool, kernels.
  *
