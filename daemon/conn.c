@@ -461,7 +461,9 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
 }
 
-/* Writes. */
+/* Writes.  write_now allocates a wreq per uv_write and on_write frees it;
+ * it owns the reply bytes it writes (moved out of the caller's pb_out_t or
+ * the connection's batch) and holds a reference on the connection. */
 typedef struct wreq {
     uv_write_t w;
     pb_conn_t *c;

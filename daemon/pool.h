@@ -4,7 +4,8 @@
  * worker of that device runs job->run, then the job goes to a completion
  * list and the loop thread runs job->done from a uv_async callback.  Only
  * the loop thread submits and runs done; only workers run run.  The pool
- * owns nothing of a job: the job (embedded in its request) must live until
+ * owns its threads array (pb_pool_init allocates it, pb_pool_stop frees
+ * it) and nothing of a job: the job (embedded in its request) must live until
  * done has run.
  *
  * Devices: one queue per device (CPU today; each GPU gets its own queue
