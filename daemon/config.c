@@ -81,50 +81,83 @@ static int default_socket(char *buf, size_t len)
 
 /* ---- the settings ------------------------------------------------------- */
 
-enum kind { K_SOCKET, K_MODE, K_DEVICE, K_WORKERS, K_SIZE, K_SECONDS, K_LOG };
+#define FIELD(f) offsetof(pb_config_t, f), sizeof(((pb_config_t *)0)->f)
 
-/* One row per setting: flags, file keys, pb_config_diff and the reload all
- * read this table.  min: the smallest value a K_SIZE takes. */
-static const struct key {
-    const char *name;
-    enum kind kind;
-    size_t off;
-    size_t min;
-    bool reloadable;
-} keys[] = {
-    {"socket", K_SOCKET, offsetof(pb_config_t, socket_path), 0, false},
-    {"socket-mode", K_MODE, offsetof(pb_config_t, socket_mode), 0, false},
-    {"device", K_DEVICE, offsetof(pb_config_t, device), 0, false},
-    {"workers", K_WORKERS, offsetof(pb_config_t, workers), 0, false},
-    {"max-message-bytes", K_SIZE, offsetof(pb_config_t, max_message_bytes), 1024, true},
-    {"max-tape-bytes", K_SIZE, offsetof(pb_config_t, max_tape_bytes), 0, true},
-    {"max-tape-bytes-per-uid", K_SIZE, offsetof(pb_config_t, max_tape_bytes_per_uid), 0, true},
-    {"max-tapes-per-connection", K_SIZE, offsetof(pb_config_t, max_tapes_per_connection), 1, true},
-    {"max-inflight-per-connection", K_SIZE, offsetof(pb_config_t, max_inflight_per_connection), 1, true},
-    {"max-buffers-per-connection", K_SIZE, offsetof(pb_config_t, max_buffers_per_connection), 0, true},
-    {"max-buffer-bytes-per-connection", K_SIZE, offsetof(pb_config_t, max_buffer_bytes_per_connection), 0, true},
-    {"drain-timeout", K_SECONDS, offsetof(pb_config_t, drain_timeout_s), 0, true},
-    {"log-level", K_LOG, offsetof(pb_config_t, log_level), 0, true},
+/* The one list of settings (config.h).  Sizes have no upper bound; the
+ * limits hello reports keep the order clients have always seen. */
+static const pb_setting_t keys[] = {
+    {"socket", PB_SET_PATH, FIELD(socket_path), NULL, 0, 0, false, NULL, "PATH",
+     "socket path (default: $PULLBACKD_SOCKET,\n$RUNTIME_DIRECTORY/pullbackd.sock, $XDG_RUNTIME_DIR/pullbackd.sock,\n"
+     "/tmp/pullbackd-$UID.sock); a socket passed by systemd wins"},
+    {"socket-mode", PB_SET_MODE, FIELD(socket_mode), "0660", 0, 0777, false, NULL, "MODE",
+     "octal mode of the socket file"},
+    {"device", PB_SET_DEVICE, FIELD(device), "cpu", 0, 0, false, NULL, "DEV", "default device: cpu, cuda, cuda:N"},
+    {"workers", PB_SET_INT, FIELD(workers), NULL, 1, 1024, false, NULL, "N",
+     "worker threads (default: number of CPUs)"},
+    {"max-message-bytes", PB_SET_SIZE, FIELD(max_message_bytes), "256M", 1024, 0, true, "max_message_bytes", "N",
+     "largest message accepted"},
+    {"max-tape-bytes", PB_SET_SIZE, FIELD(max_tape_bytes), "4G", 0, 0, true, "max_tape_bytes", "N",
+     "tape bytes held in total"},
+    {"max-tape-bytes-per-uid", PB_SET_SIZE, FIELD(max_tape_bytes_per_uid), "4G", 0, 0, true,
+     "max_tape_bytes_per_uid", "N", "tape bytes held per uid"},
+    {"max-tapes-per-connection", PB_SET_SIZE, FIELD(max_tapes_per_connection), "65536", 1, 0, true,
+     "max_tapes_per_connection", "N", "tapes created by one connection"},
+    {"max-inflight-per-connection", PB_SET_SIZE, FIELD(max_inflight_per_connection), "1024", 1, 0, true,
+     "max_inflight_per_connection", "N", "requests in flight per connection before the\ndaemon stops reading from it"},
+    {"max-buffers-per-connection", PB_SET_SIZE, FIELD(max_buffers_per_connection), "64", 0, 0, true,
+     "max_buffers_per_connection", "N", "shared-memory buffers registered by one connection;\n0 turns register_buffer off"},
+    {"max-buffer-bytes-per-connection", PB_SET_SIZE, FIELD(max_buffer_bytes_per_connection), "64G", 0, 0, true,
+     "max_buffer_bytes_per_connection", "N", "their sizes summed: address space the daemon maps"},
+    {"max-queued-bytes-per-connection", PB_SET_SIZE, FIELD(max_queued_bytes_per_connection), "64M", 0, 0, true,
+     "max_queued_bytes_per_connection", "N",
+     "reply bytes one connection may have queued or coming\nbefore the daemon stops reading from it"},
+    {"drain-timeout", PB_SET_SECONDS, FIELD(drain_timeout_s), "30", 0, 1000000000, true, NULL, "S",
+     "seconds to finish in-flight work on SIGTERM"},
+    {"log-level", PB_SET_LOG, FIELD(log_level), "info", 0, 0, true, NULL, "LEVEL",
+     "error, warning, notice, info, debug"},
 };
 enum { NKEYS = sizeof keys / sizeof keys[0] };
+/* Flags given on the command line are a bit mask over the rows. */
+_Static_assert(NKEYS <= 32, "skip_mask has a bit per setting");
 
+const pb_setting_t *pb_config_settings(size_t *n)
+{
+    *n = NKEYS;
+    return keys;
+}
+
+static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t errlen);
+
+/* The rows' defaults; workers is the number of CPUs, and the socket is
+ * left empty for the chain (default_socket) once flags and file are in. */
 static void defaults(pb_config_t *c)
 {
+    *c = (pb_config_t){0};
+    for (int k = 0; k < NKEYS; k++) {
+        char why[300];
+        /* The table's own defaults parse (unit.config checks). */
+        if (keys[k].def && set_index(c, k, keys[k].def, why, sizeof why))
+            pb_log(PB_LOG_ERR, "bad default for %s: %s", keys[k].name, why);
+    }
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-    *c = (pb_config_t){
-        .socket_mode = 0660,
-        .device = {PB_DEV_CPU, 0},
-        .workers = ncpu > 0 ? (int)ncpu : 1,
-        .max_message_bytes = 256u << 20,
-        .max_tape_bytes = (size_t)4 << 30,
-        .max_tape_bytes_per_uid = (size_t)4 << 30,
-        .max_tapes_per_connection = 65536,
-        .max_inflight_per_connection = 1024,
-        .max_buffers_per_connection = 64,
-        .max_buffer_bytes_per_connection = (size_t)64 << 30,
-        .drain_timeout_s = 30,
-        .log_level = PB_LOG_INFO,
-    };
+    c->workers = ncpu > 0 ? (int)ncpu : 1;
+}
+
+int pb_config_limits(const pb_config_t *c, pb_config_limit_t *out)
+{
+    int n = 0;
+    for (int k = 0; k < NKEYS && n < PB_CONFIG_MAX_LIMITS; k++)
+        if (keys[k].limit && keys[k].type == PB_SET_SIZE)
+            out[n++] = (pb_config_limit_t){keys[k].limit, *(const size_t *)((const char *)c + keys[k].off)};
+    return n;
+}
+
+void pb_config_apply_reloadable(pb_config_t *to, const pb_config_t *from)
+{
+    for (int k = 0; k < NKEYS; k++)
+        if (keys[k].reloadable)
+            memcpy((char *)to + keys[k].off, (const char *)from + keys[k].off, keys[k].size);
+    memcpy(to->config_file, from->config_file, sizeof to->config_file);
 }
 
 static int find_key(const char *name)
@@ -143,55 +176,57 @@ static int bad(char *err, size_t errlen, const char *fmt, const char *got)
 
 static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t errlen)
 {
-    const struct key *key = &keys[k];
+    const pb_setting_t *key = &keys[k];
     void *field = (char *)c + key->off;
     char *end;
-    switch (key->kind) {
-    case K_SOCKET:
+    switch (key->type) {
+    case PB_SET_PATH:
         if (*v == 0 || strlen(v) >= sizeof c->socket_path)
             return bad(err, errlen, "expected a path of 1 to 107 bytes, got '%.200s'", v);
         snprintf(c->socket_path, sizeof c->socket_path, "%s", v);
         return 0;
-    case K_MODE: {
+    case PB_SET_MODE: {
         errno = 0;
         long m = strtol(v, &end, 8);
-        if (errno || end == v || *end || m < 0 || m > 0777)
+        if (errno || end == v || *end || m < (long)key->min || m > (long)key->max)
             return bad(err, errlen, "expected an octal mode such as 0660, got '%.200s'", v);
         *(int *)field = (int)m;
         return 0;
     }
-    case K_DEVICE:
+    case PB_SET_DEVICE:
         if (pb_device_parse(v, strlen(v), field))
             return bad(err, errlen, "expected cpu, cuda or cuda:N, got '%.200s'", v);
         return 0;
-    case K_WORKERS: {
+    case PB_SET_INT: {
         errno = 0;
         long n = strtol(v, &end, 10);
-        if (errno || end == v || *end || n < 1 || n > 1024)
-            return bad(err, errlen, "expected 1..1024, got '%.200s'", v);
+        if (errno || end == v || *end || n < (long)key->min || n > (long)key->max) {
+            snprintf(err, errlen, "expected %llu..%llu, got '%.200s'", key->min, key->max, v);
+            return PB_EINVALID_ARGUMENT;
+        }
         *(int *)field = (int)n;
         return 0;
     }
-    case K_SIZE: {
+    case PB_SET_SIZE: {
         size_t sz;
         if (pb_parse_size(v, &sz))
             return bad(err, errlen, "expected a size such as 4096, 64K, 256M or 4G, got '%.200s'", v);
         if (sz < key->min) {
-            snprintf(err, errlen, "expected at least %zu, got '%.200s'", key->min, v);
+            snprintf(err, errlen, "expected at least %llu, got '%.200s'", key->min, v);
             return PB_EINVALID_ARGUMENT;
         }
         *(size_t *)field = sz;
         return 0;
     }
-    case K_SECONDS: {
+    case PB_SET_SECONDS: {
         errno = 0;
         double s = strtod(v, &end);
-        if (errno || end == v || *end || !(s >= 0) || s > 1e9)
+        if (errno || end == v || *end || !(s >= (double)key->min) || s > (double)key->max)
             return bad(err, errlen, "expected seconds >= 0, got '%.200s'", v);
         *(double *)field = s;
         return 0;
     }
-    case K_LOG: {
+    case PB_SET_LOG: {
         int l = pb_log_parse_level(v);
         if (l < 0)
             return bad(err, errlen, "expected error, warning, notice, info or debug, got '%.200s'", v);
@@ -213,19 +248,19 @@ int pb_config_set(pb_config_t *c, const char *key, const char *value, char *err,
 static void format_value(const pb_config_t *c, int k, char *buf, size_t len)
 {
     const void *field = (const char *)c + keys[k].off;
-    switch (keys[k].kind) {
-    case K_SOCKET: snprintf(buf, len, "%s", c->socket_path); break;
-    case K_MODE: snprintf(buf, len, "%04o", (unsigned)*(const int *)field); break;
-    case K_DEVICE:
+    switch (keys[k].type) {
+    case PB_SET_PATH: snprintf(buf, len, "%s", c->socket_path); break;
+    case PB_SET_MODE: snprintf(buf, len, "%04o", (unsigned)*(const int *)field); break;
+    case PB_SET_DEVICE:
         if (c->device.kind == PB_DEV_CPU)
             snprintf(buf, len, "cpu");
         else
             snprintf(buf, len, "cuda:%d", c->device.index);
         break;
-    case K_WORKERS: snprintf(buf, len, "%d", *(const int *)field); break;
-    case K_SIZE: snprintf(buf, len, "%zu", *(const size_t *)field); break;
-    case K_SECONDS: snprintf(buf, len, "%g", *(const double *)field); break;
-    case K_LOG: snprintf(buf, len, "%s", pb_log_level_name(*(const int *)field)); break;
+    case PB_SET_INT: snprintf(buf, len, "%d", *(const int *)field); break;
+    case PB_SET_SIZE: snprintf(buf, len, "%zu", *(const size_t *)field); break;
+    case PB_SET_SECONDS: snprintf(buf, len, "%g", *(const double *)field); break;
+    case PB_SET_LOG: snprintf(buf, len, "%s", pb_log_level_name(*(const int *)field)); break;
     }
 }
 
@@ -329,63 +364,78 @@ int pb_config_read_file(pb_config_t *c, const char *path, bool required, unsigne
 
 /* ---- flags -------------------------------------------------------------- */
 
-static const char usage[] =
-    "Usage: pullbackd [OPTION]...\n"
-    "Serve automatic-differentiation rules over msgpack-RPC on a Unix socket.\n\n"
-    "  --config PATH                   settings file, one 'key = value' a line, keys as the\n"
-    "                                  flags below without -- (default " PB_CONFIG_FILE ",\n"
-    "                                  which may be missing); flags win over the file\n"
-    "  --socket PATH                   socket path (default: $PULLBACKD_SOCKET,\n"
-    "                                  $RUNTIME_DIRECTORY/pullbackd.sock, $XDG_RUNTIME_DIR/pullbackd.sock,\n"
-    "                                  /tmp/pullbackd-$UID.sock); a socket passed by systemd wins\n"
-    "  --socket-mode MODE              octal mode of the socket file (default 0660)\n"
-    "  --device DEV                    default device: cpu, cuda, cuda:N (default cpu)\n"
-    "  --workers N                     worker threads (default: number of CPUs)\n"
-    "  --max-message-bytes N           largest message accepted (default 256M)\n"
-    "  --max-tape-bytes N              tape bytes held in total (default 4G)\n"
-    "  --max-tape-bytes-per-uid N      tape bytes held per uid (default 4G)\n"
-    "  --max-tapes-per-connection N    tapes created by one connection (default 65536)\n"
-    "  --max-inflight-per-connection N requests in flight per connection before the\n"
-    "                                  daemon stops reading from it (default 1024)\n"
-    "  --max-buffers-per-connection N  shared-memory buffers registered by one connection\n"
-    "                                  (default 64; 0 turns register_buffer off)\n"
-    "  --max-buffer-bytes-per-connection N\n"
-    "                                  their sizes summed: address space the daemon maps (default 64G)\n"
-    "  --drain-timeout S               seconds to finish in-flight work on SIGTERM (default 30)\n"
-    "  --log-level LEVEL               error, warning, notice, info, debug (default info)\n"
-    "  --version                       print the version and exit\n"
-    "  --help                          print this help and exit\n"
-    "Sizes take K, M, G suffixes (binary).  SIGHUP reloads the file: limits, drain-timeout\n"
-    "and log-level change in place; socket, socket-mode, device and workers need a restart.\n";
-
 enum { O_CONFIG = 100, O_VERSION, O_HELP };
 
+/* Where --help starts a setting's text. */
+#define HELP_COL 34
+
+static void help_text(const char *text)
+{
+    for (const char *p = text; *p; p++) {
+        putchar(*p);
+        if (*p == '\n')
+            printf("%*s", HELP_COL, "");
+    }
+}
+
+static void print_flag(const char *flag, const char *text)
+{
+    int n = printf("  --%s", flag);
+    if (n >= HELP_COL)
+        printf("\n%*s", HELP_COL, "");
+    else
+        printf("%*s", HELP_COL - n, "");
+    help_text(text);
+    putchar('\n');
+}
+
+/* --help from the table. */
+static void usage(void)
+{
+    fputs("Usage: pullbackd [OPTION]...\n"
+          "Serve automatic-differentiation rules over msgpack-RPC on a Unix socket.\n\n",
+          stdout);
+    print_flag("config PATH", "settings file, one 'key = value' a line, keys as the\n"
+               "flags below without -- (default " PB_CONFIG_FILE ",\nwhich may be missing); flags win over the file");
+    for (int k = 0; k < NKEYS; k++) {
+        char flag[80], text[400];
+        snprintf(flag, sizeof flag, "%s %s", keys[k].name, keys[k].arg);
+        if (keys[k].def)
+            snprintf(text, sizeof text, "%s (default %s)", keys[k].help, keys[k].def);
+        else
+            snprintf(text, sizeof text, "%s", keys[k].help);
+        print_flag(flag, text);
+    }
+    print_flag("version", "print the version and exit");
+    print_flag("help", "print this help and exit");
+    fputs("Sizes take K, M, G suffixes (binary).  SIGHUP reloads the file: the other settings\n"
+          "change in place; these need a restart:", stdout);
+    const char *sep = " ";
+    for (int k = 0; k < NKEYS; k++)
+        if (!keys[k].reloadable) {
+            printf("%s%s", sep, keys[k].name);
+            sep = ", ";
+        }
+    fputs(".\n", stdout);
+}
+
 /* getopt's table: a setting's val is its row in keys. */
-static const struct option opts[] = {
-    {"socket", required_argument, 0, 0},
-    {"socket-mode", required_argument, 0, 1},
-    {"device", required_argument, 0, 2},
-    {"workers", required_argument, 0, 3},
-    {"max-message-bytes", required_argument, 0, 4},
-    {"max-tape-bytes", required_argument, 0, 5},
-    {"max-tape-bytes-per-uid", required_argument, 0, 6},
-    {"max-tapes-per-connection", required_argument, 0, 7},
-    {"max-inflight-per-connection", required_argument, 0, 8},
-    {"max-buffers-per-connection", required_argument, 0, 9},
-    {"max-buffer-bytes-per-connection", required_argument, 0, 10},
-    {"drain-timeout", required_argument, 0, 11},
-    {"log-level", required_argument, 0, 12},
-    {"config", required_argument, 0, O_CONFIG},
-    {"version", no_argument, 0, O_VERSION},
-    {"help", no_argument, 0, O_HELP},
-    {0, 0, 0, 0},
-};
-_Static_assert(sizeof opts / sizeof opts[0] == NKEYS + 4, "one flag per setting");
+static void make_options(struct option *o)
+{
+    for (int k = 0; k < NKEYS; k++)
+        o[k] = (struct option){keys[k].name, required_argument, 0, k};
+    o[NKEYS] = (struct option){"config", required_argument, 0, O_CONFIG};
+    o[NKEYS + 1] = (struct option){"version", no_argument, 0, O_VERSION};
+    o[NKEYS + 2] = (struct option){"help", no_argument, 0, O_HELP};
+    o[NKEYS + 3] = (struct option){0, 0, 0, 0};
+}
 
 int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_file, char *err, size_t errlen)
 {
     pb_config_t c;
     defaults(&c);
+    struct option opts[NKEYS + 4];
+    make_options(opts);
     const char *file = default_file;
     bool required = false;
     unsigned flags = 0;
@@ -400,7 +450,7 @@ int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_
         if (ch == '?')
             return bad(err, errlen, "unknown option '%.100s' (see --help)", argv[optind - 1]);
         if (ch == O_HELP) {
-            fputs(usage, stdout);
+            usage();
             return 1;
         }
         if (ch == O_VERSION) {

@@ -14,7 +14,15 @@
  * Reloading (SIGHUP) runs the same load again, flags still winning, and
  * applies only the reloadable settings: the limits, --drain-timeout and
  * --log-level.  The socket, its mode, the device and the worker count need
- * a restart (pb_config_diff says which is which). */
+ * a restart (pb_config_diff says which is which).
+ *
+ * One table (pb_config_settings, in config.c) is the only list of
+ * settings: each row names a setting, its type, default, bounds, whether a
+ * reload applies it, whether hello reports it among its limits (and under
+ * which name), and its --help text.  The getopt options, --help, the
+ * config file's keys, the defaults, pb_config_diff,
+ * pb_config_apply_reloadable and pb_config_limits are all loops over it:
+ * a new setting is a field here and a row there. */
 #ifndef PB_CONFIG_H
 #define PB_CONFIG_H
 
@@ -37,6 +45,7 @@ typedef struct pb_config {
     size_t max_inflight_per_connection;
     size_t max_buffers_per_connection;       /* shared-memory buffers registered at once */
     size_t max_buffer_bytes_per_connection;  /* their registered sizes summed (address space mapped) */
+    size_t max_queued_bytes_per_connection;  /* queued + reserved reply bytes before reading stops (server.h) */
     double drain_timeout_s;
     int log_level;
     /* Where the settings came from: the file that was read ("" when the
@@ -65,6 +74,45 @@ int pb_config_set(pb_config_t *c, const char *key, const char *value, char *err,
 void pb_config_diff(const pb_config_t *a, const pb_config_t *b,
                     void (*fn)(const char *key, const char *from, const char *to, bool reloadable, void *ctx),
                     void *ctx);
+typedef enum pb_setting_type {
+    PB_SET_PATH,    /* a socket path (char[108]) */
+    PB_SET_MODE,    /* an octal file mode (int) */
+    PB_SET_DEVICE,  /* cpu, cuda, cuda:N (pb_device_t) */
+    PB_SET_INT,     /* an int within [min, max] */
+    PB_SET_SIZE,    /* a size_t with K, M, G, T suffixes, at least min */
+    PB_SET_SECONDS, /* a double within [min, max] */
+    PB_SET_LOG,     /* a log level (int) */
+} pb_setting_type_t;
+
+/* One row of the settings table.  Static data: nothing to free. */
+typedef struct pb_setting {
+    const char *name;        /* the flag without --, and the file's key */
+    pb_setting_type_t type;
+    size_t off, size;        /* the field in pb_config_t */
+    const char *def;         /* the default as a flag would give it; NULL: computed (socket chain, CPUs) */
+    unsigned long long min, max; /* bounds of INT, SIZE (min only) and SECONDS */
+    bool reloadable;         /* SIGHUP applies it in place */
+    const char *limit;       /* its name in hello's limits; NULL: not reported */
+    const char *arg;         /* the value's name in --help */
+    const char *help;        /* --help text; '\n' continues on an indented line */
+} pb_setting_t;
+
+/* The settings table and its length. */
+const pb_setting_t *pb_config_settings(size_t *n);
+
+/* What hello reports as limits: names and values, in table order. */
+#define PB_CONFIG_MAX_LIMITS 16
+typedef struct pb_config_limit {
+    const char *name;
+    unsigned long long value;
+} pb_config_limit_t;
+/* Fill out (PB_CONFIG_MAX_LIMITS entries) with c's limits; their count. */
+int pb_config_limits(const pb_config_t *c, pb_config_limit_t *out);
+
+/* A reload: copy the reloadable settings of from into to, and the name of
+ * the file they came from; the others stay as they are. */
+void pb_config_apply_reloadable(pb_config_t *to, const pb_config_t *from);
+
 /* Parse "cpu", "cuda", "cuda:N" into d; 0, or PB_EINVALID_ARGUMENT. */
 int pb_device_parse(const char *s, size_t len, pb_device_t *d);
 /* Parse "123", "64K", "256M", "4G" (binary units). */

@@ -1,5 +1,5 @@
-/* Connections: reading and framing, passed fds, back-pressure, batched
- * replies. */
+/* Connections (conn.h): reading and framing, passed fds, back-pressure,
+ * batched replies. */
 #define _GNU_SOURCE /* struct ucred */
 #include <errno.h>
 #include <fcntl.h>
@@ -12,19 +12,18 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "conn.h"
 #include "log.h"
-#include "rpc.h"
-#include "server.h"
 
 /* Messages at least this large take over the read buffer instead of being
  * copied out of it. */
 #define BIG_MESSAGE (64u << 10)
 #define READ_CHUNK (64u << 10)
-/* Stop reading from a connection past this many queued + reserved bytes
- * (server.h): what a client that does not read its replies may cost. */
-#define MAX_QUEUED ((size_t)64 << 20)
-/* A connection that held this much hands the memory back when it goes. */
-#define TRIM_AFTER (MAX_QUEUED / 4)
+/* Reading stops past max_queued_bytes_per_connection queued + reserved
+ * bytes (server.h): what a client that does not read its replies may
+ * cost.  A connection that held a quarter of that hands the memory back
+ * when it goes. */
+#define TRIM_AFTER(c) ((c)->set->cfg->max_queued_bytes_per_connection / 4)
 
 static void on_close(uv_handle_t *h)
 {
@@ -36,7 +35,7 @@ void pb_conn_unref(pb_conn_t *c)
 {
     if (--c->refs > 0)
         return;
-    bool trim = c->held_max >= TRIM_AFTER;
+    bool trim = c->held_max >= TRIM_AFTER(c);
     pb_buffers_destroy(&c->buffers); /* emptied at close already; this frees the table */
     free(c->buf);
     msgpack_sbuffer_destroy(&c->obuf);
@@ -63,15 +62,15 @@ static void note_held(pb_conn_t *c)
 
 static void unlink_conn(pb_conn_t *c)
 {
-    pb_server_t *s = c->srv;
+    pb_conns_t *s = c->set;
     if (c->prev)
         c->prev->next = c->next;
     else
-        s->conns = c->next;
+        s->head = c->next;
     if (c->next)
         c->next->prev = c->prev;
     c->prev = c->next = NULL;
-    s->nconns--;
+    s->count--;
     if (c->dirty) {
         pb_conn_t **pp = &s->dirty;
         while (*pp && *pp != c)
@@ -89,7 +88,7 @@ void pb_conn_close(pb_conn_t *c)
     c->closing = true;
     pb_log(PB_LOG_INFO, "connection %llu closed (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
            (int)c->pid);
-    pb_rpc_conn_closed(c);
+    c->set->cb.on_close(c, c->set->cb.data);
     /* Its buffers are unmapped now, or when the last request in flight
      * that uses one ends. */
     pb_buffers_destroy(&c->buffers);
@@ -98,7 +97,7 @@ void pb_conn_close(pb_conn_t *c)
     c->nfds = 0;
     unlink_conn(c);
     uv_close((uv_handle_t *)&c->pipe, on_close);
-    pb_server_maybe_finish(c->srv);
+    c->set->cb.on_idle(c->set->cb.data);
 }
 
 static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
@@ -117,7 +116,7 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
             /* The scan refuses a message past the limit before more is
              * read, so the buffer never needs more than one message plus
              * a read. */
-            size_t most = c->srv->cfg.max_message_bytes + 2 * READ_CHUNK;
+            size_t most = c->set->cfg->max_message_bytes + 2 * READ_CHUNK;
             size_t ncap = c->cap ? c->cap * 2 : READ_CHUNK * 2;
             while (ncap - c->len < READ_CHUNK)
                 ncap *= 2;
@@ -198,7 +197,7 @@ static void free_handle(uv_handle_t *h)
 static int adopt_fd(pb_conn_t *c, bool *oom)
 {
     uv_pipe_t *tmp = malloc(sizeof *tmp);
-    if (tmp == NULL || uv_pipe_init(c->srv->loop, tmp, 0) != 0) {
+    if (tmp == NULL || uv_pipe_init(c->set->loop, tmp, 0) != 0) {
         free(tmp);
         *oom = true;
         return -1;
@@ -300,12 +299,14 @@ static bool blocked(const pb_conn_t *c)
 {
     if (c->last_read)
         return false;
-    return c->inflight >= c->srv->cfg.max_inflight_per_connection || c->pending_write + c->reserved > MAX_QUEUED;
+    const pb_config_t *cfg = c->set->cfg;
+    return c->inflight >= cfg->max_inflight_per_connection ||
+           c->pending_write + c->reserved > cfg->max_queued_bytes_per_connection;
 }
 
-void pb_conn_process(pb_conn_t *c)
+static void process(pb_conn_t *c)
 {
-    pb_server_t *s = c->srv;
+    pb_conns_t *s = c->set;
     if (c->processing)
         return; /* the loop below re-checks blocked() itself */
     c->processing = true;
@@ -313,7 +314,7 @@ void pb_conn_process(pb_conn_t *c)
     while (!c->closing && !c->close_after_flush && c->start < c->len && !blocked(c)) {
         size_t n;
         int rc = pb_scan_feed(&c->scan, (const uint8_t *)c->buf + c->start, c->len - c->start,
-                              s->cfg.max_message_bytes, &n);
+                              s->cfg->max_message_bytes, &n);
         if (rc == 0)
             break;
         if (rc < 0) {
@@ -334,7 +335,7 @@ void pb_conn_process(pb_conn_t *c)
             break;
         }
         c->taken += n;
-        pb_rpc_message(c, msg, late);
+        s->cb.on_message(c, msg, late, s->cb.data);
         release_msg_fds(c);
         pb_storage_unref(msg);
     }
@@ -371,7 +372,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
     }
     c->rx += (uint64_t)nread;
     c->len += (size_t)nread;
-    pb_conn_process(c);
+    process(c);
 }
 
 void pb_conn_request_done(pb_conn_t *c, size_t reserved)
@@ -379,10 +380,10 @@ void pb_conn_request_done(pb_conn_t *c, size_t reserved)
     c->inflight--;
     c->reserved -= reserved;
     if (c->paused && !c->closing)
-        pb_conn_process(c);
+        process(c);
 }
 
-void pb_conn_last_read(pb_conn_t *c)
+static void last_read(pb_conn_t *c)
 {
     if (c->closing || c->close_after_flush || c->last_read)
         return;
@@ -402,7 +403,7 @@ void pb_conn_last_read(pb_conn_t *c)
         pending = 0;
     size_t left = (size_t)pending;
     /* Everything is late now: pb_conn_process answers shutting_down. */
-    pb_conn_process(c);
+    process(c);
     while (left > 0 && !c->closing && !c->close_after_flush) {
         uv_buf_t b;
         alloc_cb((uv_handle_t *)&c->pipe, left, &b);
@@ -418,26 +419,26 @@ void pb_conn_last_read(pb_conn_t *c)
         c->rx += (uint64_t)n;
         c->len += (size_t)n;
         left -= (size_t)n;
-        pb_conn_process(c);
+        process(c);
     }
     pb_conn_unref(c);
 }
 
-void pb_conn_accept(pb_server_t *s)
+void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
 {
     pb_conn_t *c = calloc(1, sizeof *c);
     if (c == NULL)
         return;
-    c->srv = s;
+    c->set = s;
     c->refs = 1;
-    c->id = ++s->next_conn_id;
+    c->id = ++s->next_id;
     msgpack_sbuffer_init(&c->obuf);
     msgpack_zone_init(&c->zone, 4096);
     pb_buffers_init(&c->buffers);
     /* ipc: read with recvmsg, keeping the fds register_buffer passes. */
     uv_pipe_init(s->loop, &c->pipe, 1);
     c->pipe.data = c;
-    if (uv_accept((uv_stream_t *)&s->listener, (uv_stream_t *)&c->pipe) != 0) {
+    if (uv_accept(listener, (uv_stream_t *)&c->pipe) != 0) {
         uv_close((uv_handle_t *)&c->pipe, on_close);
         return;
     }
@@ -450,17 +451,19 @@ void pb_conn_accept(pb_server_t *s)
     } else {
         c->uid = (uid_t)-1;
     }
-    c->next = s->conns;
-    if (s->conns)
-        s->conns->prev = c;
-    s->conns = c;
-    s->nconns++;
+    c->next = s->head;
+    if (s->head)
+        s->head->prev = c;
+    s->head = c;
+    s->count++;
     pb_log(PB_LOG_INFO, "connection %llu opened (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
            (int)c->pid);
     uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
 }
 
-/* Writes. */
+/* Writes.  write_now allocates a wreq per uv_write and on_write frees it;
+ * it owns the reply bytes it writes (moved out of the caller's pb_out_t or
+ * the connection's batch) and holds a reference on the connection. */
 typedef struct wreq {
     uv_write_t w;
     pb_conn_t *c;
@@ -481,10 +484,10 @@ static void on_write(uv_write_t *w, int status)
     if (status < 0 && !c->closing)
         pb_conn_close(c);
     else if (!c->closing && c->paused && !blocked(c))
-        pb_conn_process(c);
-    pb_server_t *s = c->srv;
+        process(c);
+    pb_conns_t *s = c->set;
     pb_conn_unref(c);
-    pb_server_maybe_finish(s);
+    s->cb.on_idle(s->cb.data);
 }
 
 static void write_now(pb_conn_t *c, pb_out_t *o, msgpack_sbuffer *flat)
@@ -588,12 +591,12 @@ static void mark_dirty(pb_conn_t *c)
 {
     if (!c->dirty) {
         c->dirty = true;
-        c->dnext = c->srv->dirty;
-        c->srv->dirty = c;
+        c->dnext = c->set->dirty;
+        c->set->dirty = c;
     }
 }
 
-void pb_conn_flush_all(pb_server_t *s)
+void pb_conns_flush(pb_conns_t *s)
 {
     pb_conn_t *c = s->dirty;
     s->dirty = NULL;
@@ -620,4 +623,54 @@ void pb_conn_flush_all(pb_server_t *s)
         }
         c = n;
     }
+}
+
+/* ---- the set ------------------------------------------------------------- */
+
+void pb_conns_init(pb_conns_t *s, uv_loop_t *loop, const pb_config_t *cfg, pb_conn_cbs_t cb)
+{
+    *s = (pb_conns_t){.loop = loop, .cfg = cfg, .cb = cb};
+}
+
+void pb_conns_stop(pb_conns_t *s)
+{
+    s->stopping = true;
+    for (pb_conn_t *c = s->head; c; c = c->next) {
+        uv_os_fd_t fd;
+        int pending = 0;
+        if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0)
+            ioctl(fd, FIONREAD, &pending);
+        c->drain_left = (c->len - c->start) + (size_t)(pending > 0 ? pending : 0);
+    }
+}
+
+bool pb_conns_drained(const pb_conns_t *s)
+{
+    for (const pb_conn_t *c = s->head; c; c = c->next)
+        if (c->drain_left > 0 && !c->closing)
+            return false;
+    return true;
+}
+
+bool pb_conns_written(const pb_conns_t *s)
+{
+    for (const pb_conn_t *c = s->head; c; c = c->next)
+        if (c->pending_write > 0 && !c->closing)
+            return false;
+    return true;
+}
+
+void pb_conns_last_read(pb_conns_t *s)
+{
+    pb_conn_t *next;
+    for (pb_conn_t *c = s->head; c; c = next) {
+        next = c->next;
+        last_read(c);
+    }
+}
+
+void pb_conns_close_all(pb_conns_t *s)
+{
+    while (s->head)
+        pb_conn_close(s->head);
 }

@@ -33,8 +33,7 @@ int main(int argc, char **argv)
     uv_loop_t *loop = uv_default_loop();
     pb_server_t srv;
     if ((rc = pb_server_init(&srv, loop, &cfg, argc, argv, PB_CONFIG_FILE))) {
-        pb_log(PB_LOG_ERR, "startup failed: %s (%s)", rc < -100 ? uv_strerror(rc) : pb_strerror(rc),
-               rc < -100 ? uv_err_name(rc) : pb_strerror_code(rc));
+        pb_log(PB_LOG_ERR, "startup failed: %s (%s)", pb_strerror(rc), pb_strerror_code(rc));
         return 1;
     }
     if (pb_server_listen(&srv)) {
@@ -45,7 +44,13 @@ int main(int argc, char **argv)
     }
     uv_run(loop, UV_RUN_DEFAULT);
     pb_server_destroy(&srv);
+    /* A handle left open is a bug the tests that assert a clean exit
+     * should see. */
     rc = uv_loop_close(loop);
-    pb_log(PB_LOG_NOTICE, "stopped%s", rc ? " (handles left open)" : "");
+    if (rc) {
+        pb_log(PB_LOG_ERR, "stopped with handles left open: %s", uv_strerror(rc));
+        return 1;
+    }
+    pb_log(PB_LOG_NOTICE, "stopped");
     return 0;
 }

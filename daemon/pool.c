@@ -2,6 +2,9 @@
 
 #include <stdlib.h>
 
+#include "../proto/errors.h"
+#include "log.h"
+
 static void q_push(pb_queue_t *q, pb_job_t *j)
 {
     j->next = NULL;
@@ -74,25 +77,48 @@ int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n)
     if (n < 1)
         n = 1;
     int rc = uv_async_init(loop, &p->async, on_async);
-    if (rc)
-        return rc;
+    if (rc) {
+        pb_log(PB_LOG_ERR, "worker pool: uv_async_init: %s", uv_strerror(rc));
+        return pb_err_from_sys(rc);
+    }
     p->async.data = p;
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->cond, NULL);
     p->threads = calloc((size_t)n, sizeof *p->threads);
-    if (p->threads == NULL)
-        return UV_ENOMEM;
+    if (p->threads == NULL) {
+        pb_log(PB_LOG_ERR, "worker pool: out of memory for %d workers", n);
+        rc = PB_ENOMEM;
+        goto fail;
+    }
+    int why = 0;
     for (int i = 0; i < n; i++) {
-        if (pthread_create(&p->threads[i], NULL, worker_main, p) != 0)
+        if ((why = pthread_create(&p->threads[i], NULL, worker_main, p)) != 0)
             break;
         p->nthreads++;
     }
+    if (p->nthreads == 0) {
+        pb_log(PB_LOG_ERR, "worker pool: cannot start a worker: %s", uv_strerror(-why));
+        rc = pb_err_from_sys(-why);
+        goto fail;
+    }
+    if (p->nthreads < n)
+        pb_log(PB_LOG_WARNING, "worker pool: started %d of %d workers: %s", p->nthreads, n, uv_strerror(-why));
     /* systemd hears READY=1 only after this: every worker is running. */
     pthread_mutex_lock(&p->lock);
     while (p->started < p->nthreads)
         pthread_cond_wait(&p->cond, &p->lock);
     pthread_mutex_unlock(&p->lock);
-    return p->nthreads ? 0 : UV_EAGAIN;
+    return 0;
+
+fail:
+    /* No worker runs: undo in reverse.  The async's close completes on the
+     * loop's next run. */
+    free(p->threads);
+    p->threads = NULL;
+    pthread_cond_destroy(&p->cond);
+    pthread_mutex_destroy(&p->lock);
+    uv_close((uv_handle_t *)&p->async, NULL);
+    return rc;
 }
 
 void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job)

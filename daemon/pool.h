@@ -4,7 +4,8 @@
  * worker of that device runs job->run, then the job goes to a completion
  * list and the loop thread runs job->done from a uv_async callback.  Only
  * the loop thread submits and runs done; only workers run run.  The pool
- * owns nothing of a job: the job (embedded in its request) must live until
+ * owns its threads array (pb_pool_init allocates it, pb_pool_stop frees
+ * it) and nothing of a job: the job (embedded in its request) must live until
  * done has run.
  *
  * Devices: one queue per device (CPU today; each GPU gets its own queue
@@ -42,8 +43,10 @@ typedef struct pb_pool {
     int started;          /* workers that reached their loop */
 } pb_pool_t;
 
-/* Start n CPU workers and wait until each is running.  0 or a negative
- * error. */
+/* Start n CPU workers (at least one) and wait until each is running.  0,
+ * or a negative PB_E* code with the cause logged; on failure nothing is
+ * left running, and the async handle's close completes on the loop's next
+ * run. */
 int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n);
 void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job);
 /* Stop the workers (after the jobs they run) and close the async handle;

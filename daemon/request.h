@@ -1,4 +1,5 @@
-/* Request parsing: the params of forward, augmented_forward, check and the
+/* Requests: the pb_req_t that carries one message from decoding to reply,
+ * and the parsing of the params of forward, augmented_forward, check and the
  * cotangents of reverse, turned into a validated call, with the error the
  * contract asks for (code, argument, message) for anything wrong.
  *
@@ -14,7 +15,9 @@
  * (or copies, or on a buffer's mapping) and belong to the caller, also when
  * an error is returned; pb_call_clear / pb_tensor_clear drop them.  Each
  * pb_into_t with a storage holds a reference on that buffer's mapping,
- * also the caller's; pb_into_clear drops them. */
+ * also the caller's; pb_into_clear drops them.  A pb_req_t is allocated
+ * and freed by rpc.c (see rpc.h); what its per-method part owns is said
+ * there. */
 #ifndef PB_REQUEST_H
 #define PB_REQUEST_H
 
@@ -25,6 +28,8 @@
 #include "../kernels/op.h"
 #include "../proto/codec.h"
 #include "config.h"
+#include "pool.h"
+#include "tape.h"
 
 typedef enum pb_call_kind { PB_CALL_FORWARD, PB_CALL_AUGMENTED, PB_CALL_CHECK } pb_call_kind_t;
 
@@ -44,6 +49,78 @@ typedef struct pb_call_extra {
     size_t reply_bytes; /* the bytes of the outputs that go in the reply */
     pb_into_t into[PB_MAX_IO]; /* forward, augmented_forward: by output index */
 } pb_call_extra_t;
+
+/* ---- the request --------------------------------------------------------- */
+
+struct pb_rpc;
+struct pb_conn;
+typedef struct pb_req pb_req_t;
+
+/* Which part of the union a request uses: what req_free drops. */
+typedef enum pb_req_kind {
+    PB_REQ_SIMPLE,  /* hello, ops, stats, drain, shutdown, buffers: no tensors */
+    PB_REQ_CALL,    /* forward, augmented_forward, check: u.call */
+    PB_REQ_REVERSE, /* reverse: u.rev */
+    PB_REQ_RELEASE, /* release: u.rel */
+} pb_req_kind_t;
+
+struct pb_req {
+    /* The common head: every method. */
+    pb_job_t job;                  /* first: the pool hands it back */
+    pb_tape_waiter_t wait;         /* reverse, release: queued on a busy tape */
+    struct pb_rpc *rpc;
+    struct pb_conn *conn;          /* a reference, dropped when answered */
+    uint32_t msgid;
+    bool notify;
+    pb_req_kind_t kind;
+    void (*encode)(pb_req_t *, pb_out_t *); /* the result of a successful request */
+    int rc;
+    pb_err_t err;
+    size_t conn_reserved;          /* counted in the connection's reserved: message, then reply */
+    /* Results written into buffers instead of the reply (forward,
+     * augmented_forward, reverse), by output or wrt index; into_meta is
+     * what was written (dtype, shape, order; no storage), for the reply.
+     * The into references are the request's. */
+    pb_into_t into[PB_MAX_IO + 2];
+    pb_tensor_t into_meta[PB_MAX_IO + 2];
+    bool accumulate;
+    union {
+        /* forward, augmented_forward, check.  Owns call's tensors and
+         * tdata until the tape table takes it. */
+        struct pb_req_call {
+            pb_call_t call;
+            pb_tapedata_t tdata;
+            bool peer_scope;
+            uint64_t ttl_ms;
+            size_t reserved;       /* tape bytes reserved in the table */
+            pb_tape_t *made;       /* the tape augmented_forward created */
+            uint64_t seed;         /* check */
+            double max_rel, per_input[PB_MAX_IO + 2]; /* check's results */
+            size_t reply_bytes;    /* the outputs' bytes in the reply */
+        } call;
+        /* reverse.  Owns cot and grad. */
+        struct pb_req_reverse {
+            uint64_t handle;
+            pb_tape_t *tape;       /* while it runs on the tape */
+            const pb_op_t *op;     /* the tape's op and wrt, for the reply */
+            unsigned wrt;
+            bool keep;
+            char order;
+            pb_tensor_t cot[PB_MAX_IO];
+            pb_tensor_t grad[PB_MAX_IO + 2];
+            pb_warnings_t warn;
+        } rev;
+        /* release */
+        struct pb_req_release {
+            uint64_t handle;
+            bool released;
+        } rel;
+        /* register_buffer: the new id */
+        uint64_t buffer;
+    } u;
+};
+typedef struct pb_req_call pb_req_call_t;
+typedef struct pb_req_reverse pb_req_reverse_t;
 
 /* Every key of params must be one of allowed (NULL-terminated). */
 int pb_request_check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err);

@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -12,7 +11,6 @@
 
 #include "../kernels/blas.h"
 #include "log.h"
-#include "rpc.h"
 #include "sd.h"
 
 /* How often STATUS= is refreshed (only sent when its text changed). */
@@ -25,17 +23,43 @@ static void on_connection(uv_stream_t *l, int status)
         pb_log(PB_LOG_WARNING, "accept: %s", uv_strerror(status));
         return;
     }
-    pb_conn_accept(s);
+    pb_conns_accept(&s->conns, l);
 }
 
 static void on_flush(uv_check_t *h)
 {
-    pb_conn_flush_all(h->data);
+    pb_server_t *s = h->data;
+    pb_conns_flush(&s->conns);
 }
 
 static void on_sweep(uv_timer_t *t)
 {
-    pb_rpc_sweep(t->data);
+    pb_server_t *s = t->data;
+    pb_rpc_sweep(&s->rpc);
+}
+
+/* The callbacks the layers below call, all with the server as data: the
+ * server wires the connections to the request layer. */
+static void on_message(pb_conn_t *c, pb_storage_t *msg, bool late, void *data)
+{
+    pb_server_t *s = data;
+    pb_rpc_message(&s->rpc, c, msg, late);
+}
+
+static void on_conn_close(pb_conn_t *c, void *data)
+{
+    pb_server_t *s = data;
+    pb_rpc_conn_closed(&s->rpc, c);
+}
+
+static void on_idle(void *data)
+{
+    pb_server_maybe_finish(data);
+}
+
+static void on_shutdown(void *data)
+{
+    pb_server_stop(data);
 }
 
 static void on_signal(uv_signal_t *h, int sig)
@@ -56,8 +80,9 @@ static bool update_status(pb_server_t *s)
 {
     char st[sizeof s->status];
     snprintf(st, sizeof st, "%s%zu connections, %zu tapes held (%zu bytes), %llu requests served",
-             s->stopping ? "draining: " : s->draining ? "drained (no new forward calls): " : "",
-             s->nconns, s->tapes.count, s->tapes.bytes, (unsigned long long)s->requests_served);
+             s->stopping ? "draining: " : s->rpc.draining ? "drained (no new forward calls): " : "",
+             pb_conns_count(&s->conns), s->rpc.tapes.count, s->rpc.tapes.bytes,
+             (unsigned long long)s->rpc.requests_served);
     if (strcmp(st, s->status) == 0)
         return false;
     memcpy(s->status, st, sizeof st);
@@ -82,8 +107,8 @@ static void on_drain_timeout(uv_timer_t *t)
 {
     pb_server_t *s = t->data;
     pb_log(PB_LOG_WARNING, "drain timeout: %llu requests still in flight are abandoned",
-           (unsigned long long)s->requests_in_flight);
-    s->requests_in_flight = 0;
+           (unsigned long long)s->rpc.requests_in_flight);
+    s->rpc.requests_in_flight = 0;
     s->drain_expired = true;
     pb_server_maybe_finish(s);
 }
@@ -97,13 +122,13 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     s->argc = argc;
     s->argv = argv;
     s->default_config = default_config;
-    s->self_uid = getuid();
-    s->start_ms = uv_now(loop);
     pb_blas_init_threads(1);
-    int rc = pb_tapes_init(&s->tapes, cfg->max_tape_bytes, cfg->max_tape_bytes_per_uid);
+    pb_conns_init(&s->conns, loop, &s->cfg,
+                  (pb_conn_cbs_t){.on_message = on_message, .on_close = on_conn_close, .on_idle = on_idle,
+                                  .data = s});
+    int rc = pb_rpc_init(&s->rpc, loop, &s->cfg, &s->conns,
+                         (pb_rpc_hooks_t){.stop = on_shutdown, .request_done = on_idle, .data = s});
     if (rc)
-        return rc;
-    if ((rc = pb_pool_init(&s->pool, loop, cfg->workers)))
         return rc;
     uv_check_init(loop, &s->flush);
     s->flush.data = s;
@@ -164,7 +189,7 @@ static int listen_activated(pb_server_t *s)
         pb_log(PB_LOG_ERR, "cannot listen on the socket from systemd (%s): %s (%s)", path, uv_strerror(rc),
                uv_err_name(rc));
         uv_close((uv_handle_t *)&s->listener, NULL);
-        return rc;
+        return pb_err_from_sys(rc);
     }
     /* The path is for logs only: the socket file is systemd's. */
     snprintf(s->cfg.socket_path, sizeof s->cfg.socket_path, "%s", path);
@@ -205,11 +230,11 @@ int pb_server_listen(pb_server_t *s)
     if (lstat(path, &st) == 0) {
         if (!S_ISSOCK(st.st_mode)) {
             pb_log(PB_LOG_ERR, "%s exists and is not a socket; not replacing it", path);
-            return UV_EEXIST;
+            return PB_EINVALID_ARGUMENT;
         }
         if (socket_alive(path)) {
             pb_log(PB_LOG_ERR, "another daemon is answering on %s; not taking its socket", path);
-            return UV_EADDRINUSE;
+            return pb_err_from_sys(UV_EADDRINUSE);
         }
         pb_log(PB_LOG_NOTICE, "replacing stale socket %s", path);
         unlink(path);
@@ -227,7 +252,7 @@ int pb_server_listen(pb_server_t *s)
     if (rc) {
         pb_log(PB_LOG_ERR, "cannot listen on %s: %s (%s)", path, uv_strerror(rc), uv_err_name(rc));
         uv_close((uv_handle_t *)&s->listener, NULL);
-        return rc;
+        return pb_err_from_sys(rc);
     }
     s->listening = true;
     ready(s);
@@ -282,24 +307,15 @@ void pb_server_reload(pb_server_t *s)
     }
     reload_ctx_t ctx = {.s = s};
     pb_config_diff(&s->cfg, &n, reload_change, &ctx);
-    pb_config_t *c = &s->cfg;
-    c->max_message_bytes = n.max_message_bytes;
-    c->max_tape_bytes = n.max_tape_bytes;
-    c->max_tape_bytes_per_uid = n.max_tape_bytes_per_uid;
-    c->max_tapes_per_connection = n.max_tapes_per_connection;
-    c->max_inflight_per_connection = n.max_inflight_per_connection;
-    c->max_buffers_per_connection = n.max_buffers_per_connection;
-    c->max_buffer_bytes_per_connection = n.max_buffer_bytes_per_connection;
-    c->drain_timeout_s = n.drain_timeout_s;
-    c->log_level = n.log_level;
-    memcpy(c->config_file, n.config_file, sizeof c->config_file);
-    s->tapes.max_bytes = n.max_tape_bytes;
-    s->tapes.max_bytes_per_uid = n.max_tape_bytes_per_uid;
+    pb_config_apply_reloadable(&s->cfg, &n);
+    s->rpc.tapes.max_bytes = n.max_tape_bytes;
+    s->rpc.tapes.max_bytes_per_uid = n.max_tape_bytes_per_uid;
     pb_log_level = n.log_level;
     pb_log(PB_LOG_NOTICE, "reloaded %s: %d settings changed, %d need a restart",
            n.config_file[0] ? n.config_file : "(no config file)", ctx.applied, ctx.refused);
-    /* A changed in-flight limit needs no wake-up: a connection paused by
-     * the old one has a request in flight, whose end re-checks the limit. */
+    /* A changed in-flight or queued-bytes limit needs no wake-up: a
+     * connection paused by the old one has a request in flight or a write
+     * queued, whose end re-checks the limit. */
     update_status(s);
     pb_sd_notify("READY=1\nSTATUS=%s", s->status);
 }
@@ -309,18 +325,13 @@ void pb_server_stop(pb_server_t *s)
     if (s->stopping)
         return;
     s->stopping = true;
+    s->rpc.stopping = true;
     close_listener(s);
     update_status(s);
     pb_sd_notify("STOPPING=1\nSTATUS=%s", s->status);
     /* What each client sent before now is served: bytes buffered here plus
      * those still waiting in the socket. */
-    for (pb_conn_t *c = s->conns; c; c = c->next) {
-        uv_os_fd_t fd;
-        int pending = 0;
-        if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0)
-            ioctl(fd, FIONREAD, &pending);
-        c->drain_left = (c->len - c->start) + (size_t)(pending > 0 ? pending : 0);
-    }
+    pb_conns_stop(&s->conns);
     uv_timer_start(&s->drain_timer, on_drain_timeout, (uint64_t)(s->cfg.drain_timeout_s * 1000), 0);
     pb_server_maybe_finish(s);
 }
@@ -334,13 +345,8 @@ static void on_last_read(uv_timer_t *t)
     pb_server_t *s = t->data;
     if (s->stopped)
         return;
-    if (!s->drain_expired) {
-        pb_conn_t *next;
-        for (pb_conn_t *c = s->conns; c; c = next) {
-            next = c->next;
-            pb_conn_last_read(c);
-        }
-    }
+    if (!s->drain_expired)
+        pb_conns_last_read(&s->conns);
     s->last_read_done = true;
     pb_server_maybe_finish(s);
 }
@@ -351,11 +357,8 @@ void pb_server_maybe_finish(pb_server_t *s)
         return;
     /* Past the drain timeout nothing more is waited for. */
     if (!s->drain_expired) {
-        if (s->requests_in_flight > 0)
+        if (s->rpc.requests_in_flight > 0 || !pb_conns_drained(&s->conns))
             return;
-        for (pb_conn_t *c = s->conns; c; c = c->next)
-            if (c->drain_left > 0 && !c->closing)
-                return;
         if (!s->last_read_done) {
             if (!s->last_read_started) {
                 s->last_read_started = true;
@@ -366,13 +369,11 @@ void pb_server_maybe_finish(pb_server_t *s)
     }
     /* Every answer must be out before the connections close: uv_close
      * would cancel writes still queued. */
-    pb_conn_flush_all(s);
-    for (pb_conn_t *c = s->conns; c; c = c->next)
-        if (c->pending_write > 0 && !c->closing && !s->drain_expired)
-            return; /* on_write calls back here */
+    pb_conns_flush(&s->conns);
+    if (!s->drain_expired && !pb_conns_written(&s->conns))
+        return; /* on_write calls back here */
     s->stopped = true;
-    while (s->conns)
-        pb_conn_close(s->conns);
+    pb_conns_close_all(&s->conns);
     uv_timer_stop(&s->drain_timer);
     uv_timer_stop(&s->last_read_timer);
     uv_stop(s->loop);
@@ -385,7 +386,7 @@ static void close_cb_noop(uv_handle_t *h)
 
 void pb_server_destroy(pb_server_t *s)
 {
-    pb_pool_stop(&s->pool);
+    pb_rpc_stop_workers(&s->rpc);
     uv_check_stop(&s->flush);
     uv_close((uv_handle_t *)&s->flush, close_cb_noop);
     uv_close((uv_handle_t *)&s->sweep, close_cb_noop);
@@ -398,7 +399,5 @@ void pb_server_destroy(pb_server_t *s)
     uv_close((uv_handle_t *)&s->watchdog_timer, close_cb_noop);
     close_listener(s);
     uv_run(s->loop, UV_RUN_DEFAULT);
-    if (s->tapes.count)
-        pb_log(PB_LOG_NOTICE, "freeing %zu tapes still held (%zu bytes)", s->tapes.count, s->tapes.bytes);
-    pb_tapes_destroy(&s->tapes);
+    pb_rpc_destroy(&s->rpc);
 }

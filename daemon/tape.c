@@ -205,3 +205,132 @@ void pb_tapes_foreach(pb_tapes_t *t, void (*fn)(pb_tape_t *, void *), void *ctx)
         }
     }
 }
+
+/* ---- lifecycle ----------------------------------------------------------- */
+
+static bool expired(const pb_tape_t *tape, uint64_t now)
+{
+    return now >= tape->expires_ms;
+}
+
+static void unlink_tape(pb_tape_t *tape)
+{
+    pb_tape_list_t *l = tape->owner;
+    if (l == NULL)
+        return;
+    if (tape->cprev)
+        tape->cprev->cnext = tape->cnext;
+    else
+        l->head = tape->cnext;
+    if (tape->cnext)
+        tape->cnext->cprev = tape->cprev;
+    tape->cprev = tape->cnext = NULL;
+    tape->owner = NULL;
+    l->n--;
+}
+
+void pb_tape_link(pb_tape_t *tape, pb_tape_list_t *l)
+{
+    tape->owner = l;
+    tape->cnext = l->head;
+    if (l->head)
+        l->head->cprev = tape;
+    l->head = tape;
+    l->n++;
+}
+
+bool pb_tape_idle(const pb_tape_t *tape)
+{
+    return !tape->busy && tape->wait_head == NULL;
+}
+
+void pb_tapes_free(pb_tapes_t *t, pb_tape_t *tape)
+{
+    pb_tape_waiter_t *w = tape->wait_head;
+    tape->wait_head = tape->wait_tail = NULL;
+    unlink_tape(tape);
+    pb_tapes_remove(t, tape);
+    while (w) {
+        pb_tape_waiter_t *n = w->next;
+        w->run(w, NULL);
+        w = n;
+    }
+}
+
+pb_tape_t *pb_tapes_lookup(pb_tapes_t *t, uint64_t handle, uid_t uid, const pb_tape_list_t *l, uint64_t now)
+{
+    pb_tape_t *tape = pb_tapes_find(t, handle);
+    if (tape == NULL || tape->doomed)
+        return NULL;
+    if (tape->peer_scope ? tape->uid != uid : tape->owner != l)
+        return NULL;
+    if (pb_tape_idle(tape) && expired(tape, now)) {
+        pb_tapes_free(t, tape);
+        return NULL;
+    }
+    return tape;
+}
+
+void pb_tape_wait(pb_tape_t *tape, pb_tape_waiter_t *w)
+{
+    w->next = NULL;
+    if (tape->wait_tail)
+        tape->wait_tail->next = w;
+    else
+        tape->wait_head = w;
+    tape->wait_tail = w;
+}
+
+void pb_tapes_done(pb_tapes_t *t, pb_tape_t *tape, bool consumed, uint64_t now)
+{
+    tape->busy = false;
+    if (tape->doomed || consumed) {
+        pb_tapes_free(t, tape);
+        return;
+    }
+    tape->expires_ms = now + tape->ttl_ms;
+    while (!tape->busy && tape->wait_head) {
+        pb_tape_waiter_t *w = tape->wait_head;
+        tape->wait_head = w->next;
+        if (tape->wait_head == NULL)
+            tape->wait_tail = NULL;
+        /* Handles are never reused, so a tape the waiter freed (a release,
+         * or a reverse that ran inline and consumed it) is not found. */
+        uint64_t h = tape->handle;
+        w->run(w, tape);
+        if (pb_tapes_find(t, h) != tape)
+            return;
+    }
+}
+
+void pb_tapes_list_closed(pb_tapes_t *t, pb_tape_list_t *l)
+{
+    while (l->head) {
+        pb_tape_t *tape = l->head;
+        unlink_tape(tape);
+        if (tape->peer_scope)
+            continue;
+        if (tape->busy)
+            tape->doomed = true;
+        else
+            pb_tapes_free(t, tape);
+    }
+}
+
+typedef struct sweep_ctx {
+    pb_tapes_t *t;
+    uint64_t now;
+} sweep_ctx_t;
+
+static void sweep_one(pb_tape_t *tape, void *ctx)
+{
+    sweep_ctx_t *s = ctx;
+    if (pb_tape_idle(tape) && expired(tape, s->now))
+        pb_tapes_free(s->t, tape);
+}
+
+void pb_tapes_sweep(pb_tapes_t *t, uint64_t now)
+{
+    sweep_ctx_t ctx = {t, now};
+    pb_tapes_foreach(t, sweep_one, &ctx);
+}

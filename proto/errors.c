@@ -1,5 +1,6 @@
 #include "errors.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -36,4 +37,27 @@ int pb_err_set(pb_err_t *err, int code, const char *arg, const char *fmt, ...)
     vsnprintf(err->message, sizeof err->message, fmt, ap);
     va_end(ap);
     return code;
+}
+
+int pb_err_from_sys(int sys)
+{
+    switch (-sys) {
+    case 0: return 0;
+    case ENOMEM: return PB_ENOMEM;
+    case EACCES:
+    case EPERM: return PB_EPERMISSION_DENIED;
+    case EAGAIN:
+    case EMFILE:
+    case ENFILE:
+    case ENOSPC:
+    case ENOBUFS: return PB_ERESOURCE_EXHAUSTED;
+    case EINVAL:
+    case EEXIST:
+    case EADDRINUSE:
+    case ENOENT:
+    case ENOTDIR:
+    case ENAMETOOLONG:
+    case ENOTSOCK: return PB_EINVALID_ARGUMENT;
+    default: return PB_EINTERNAL;
+    }
 }

@@ -50,6 +50,13 @@ typedef struct pb_err {
     int has_info;
 } pb_err_t;
 
+/* The PB_E* code for a system error: a libuv code (UV_E*) or a negative
+ * errno, which libuv's codes are on Unix.  For the boundary where pool.c
+ * and server.c call libuv, pthreads or the kernel: the caller logs the
+ * original text (uv_strerror) where the failure happens and returns only
+ * this.  0 stays 0; anything without a closer meaning is PB_EINTERNAL. */
+int pb_err_from_sys(int sys);
+
 /* Fill err (if not NULL) and return code, so callers can write
  * `return pb_err_set(err, PB_EINVALID_ARGUMENT, "x", "...", ...);`. */
 int pb_err_set(pb_err_t *err, int code, const char *arg, const char *fmt, ...)

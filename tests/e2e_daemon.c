@@ -26,69 +26,29 @@
 
 #include "pullbackd.h"
 
+#include "test_daemon.h"
+
 static const char *daemon_bin;
-static char dir[48];
 
-typedef struct {
-    pid_t pid;
-    char path[100];
-} daemon_t;
+static daemon_t main_daemon; /* the suite's, from setup to teardown */
+/* The daemon a test starts for itself (with its own flags): stopped by the
+ * test, or by its teardown when a check failed half-way. */
+static daemon_t solo;
 
-static daemon_t main_daemon;
+/* Start pullbackd for d with extra flags; the list ends with NULL. */
+#define start(d, ...) daemon_start((d), daemon_bin, (const char *const[]){__VA_ARGS__})
 
-static int try_connect(const char *path)
+static int stop_solo(void **state)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    struct sockaddr_un a = {.sun_family = AF_UNIX};
-    snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
-    int rc = connect(fd, (struct sockaddr *)&a, sizeof a);
-    close(fd);
-    return rc;
-}
-
-/* Start a daemon on dir/name with extra flags (NULL-terminated). */
-static int start(daemon_t *d, const char *name, ...)
-{
-    snprintf(d->path, sizeof d->path, "%s/%s", dir, name);
-    const char *argv[32] = {daemon_bin, "--socket", d->path, "--log-level", "warning"};
-    int n = 5;
-    va_list ap;
-    va_start(ap, name);
-    const char *a;
-    while ((a = va_arg(ap, const char *)) && n < 30)
-        argv[n++] = a;
-    va_end(ap);
-    d->pid = fork();
-    if (d->pid == 0) {
-        execv(daemon_bin, (char *const *)argv);
-        _exit(127);
-    }
-    for (int i = 0; i < 500; i++) {
-        if (try_connect(d->path) == 0)
-            return 0;
-        int st;
-        if (waitpid(d->pid, &st, WNOHANG) == d->pid) {
-            d->pid = 0;
-            return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-        }
-        usleep(10000);
-    }
-    return -1;
-}
-
-static int stop(daemon_t *d)
-{
-    int st = 0;
-    kill(d->pid, SIGTERM);
-    waitpid(d->pid, &st, 0);
-    d->pid = 0;
-    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    (void)state;
+    daemon_stop(&solo);
+    return 0;
 }
 
 static pb_client_t *conn(const daemon_t *d)
 {
     pb_client_t *c = NULL;
-    assert_int_equal(pb_client_connect(d->path, &c), 0);
+    assert_int_equal(pb_client_connect(d->sock, &c), 0);
     return c;
 }
 
@@ -796,9 +756,9 @@ static void ttl_expiry(void **state)
 static void limits(void **state)
 {
     (void)state;
-    daemon_t d;
-    assert_int_equal(start(&d, "limits.sock", "--max-tape-bytes", "100", "--max-tapes-per-connection", "2", NULL), 0);
-    pb_client_t *c = conn(&d);
+    daemon_t *d = &solo;
+    assert_int_equal(start(d, "--max-tape-bytes", "100", "--max-tapes-per-connection", "2", NULL), 0);
+    pb_client_t *c = conn(d);
     fd_t f;
     random_fd(&f, "f64", "gelu", 23);
     const char *const big[] = {"weight", "x", NULL}, *const small[] = {"bias", NULL};
@@ -825,15 +785,15 @@ static void limits(void **state)
     assert_null(r.error);
     pb_reply_free(&r);
     pb_client_close(c);
-    assert_int_equal(stop(&d), 0);
+    assert_int_equal(daemon_stop(d), 0);
 }
 
 static void shutdown_method(void **state)
 {
     (void)state;
-    daemon_t d;
-    assert_int_equal(start(&d, "shutdown.sock", NULL), 0);
-    pb_client_t *c = conn(&d), *o = conn(&d);
+    daemon_t *d = &solo;
+    assert_int_equal(start(d, NULL), 0);
+    pb_client_t *c = conn(d), *o = conn(d);
     pb_reply_t r;
     simple(c, "shutdown", &r);
     if (getuid() == 0 || r.error == NULL) {
@@ -850,12 +810,14 @@ static void shutdown_method(void **state)
             pb_reply_free(&r);
         }
         int st;
-        assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
+        assert_int_equal(waitpid(d->pid, &st, 0), d->pid);
+        daemon_reaped(d);
+    daemon_reaped(d);
         assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
     } else {
         assert_string_equal(pb_reply_code(&r), "permission_denied");
         pb_reply_free(&r);
-        assert_int_equal(stop(&d), 0);
+        assert_int_equal(daemon_stop(d), 0);
     }
     pb_client_close(c);
     pb_client_close(o);
@@ -865,34 +827,34 @@ static void socket_takeover(void **state)
 {
     (void)state;
     /* A stale socket file (nothing listening) is replaced. */
-    char path[100];
-    snprintf(path, sizeof path, "%s/stale.sock", dir);
+    daemon_t *d = &solo;
+    assert_int_equal(daemon_mkdir(d), 0);
     int fd = socket(AF_UNIX, SOCK_STREAM, 0);
     struct sockaddr_un a = {.sun_family = AF_UNIX};
-    snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
+    assert_true(strlen(d->sock) < sizeof a.sun_path);
+    memcpy(a.sun_path, d->sock, strlen(d->sock) + 1);
     assert_int_equal(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
     close(fd);
-    daemon_t d;
-    assert_int_equal(start(&d, "stale.sock", NULL), 0);
+    assert_int_equal(daemon_spawn(d, daemon_bin, (const char *const[]){NULL}), 0);
     struct stat st;
-    assert_int_equal(stat(d.path, &st), 0);
+    assert_int_equal(stat(d->sock, &st), 0);
     assert_int_equal(st.st_mode & 0777, 0660);
     /* A second daemon on a live path refuses to start; the first serves on. */
     pid_t p2 = fork();
     if (p2 == 0) {
-        execl(daemon_bin, daemon_bin, "--socket", d.path, "--log-level", "error", (char *)NULL);
+        execl(daemon_bin, daemon_bin, "--socket", d->sock, "--log-level", "error", (char *)NULL);
         _exit(127);
     }
     int st2;
     assert_int_equal(waitpid(p2, &st2, 0), p2);
     assert_true(WIFEXITED(st2) && WEXITSTATUS(st2) != 0 && WEXITSTATUS(st2) != 127);
-    pb_client_t *c = conn(&d);
+    pb_client_t *c = conn(d);
     pb_reply_t r;
     simple(c, "hello", &r);
     assert_null(r.error);
     pb_reply_free(&r);
     pb_client_close(c);
-    assert_int_equal(stop(&d), 0);
+    assert_int_equal(daemon_stop(d), 0);
 }
 
 /* Past --max-inflight-per-connection the daemon stops reading from the
@@ -900,9 +862,9 @@ static void socket_takeover(void **state)
 static void back_pressure(void **state)
 {
     (void)state;
-    daemon_t d;
-    assert_int_equal(start(&d, "bp.sock", "--max-inflight-per-connection", "2", NULL), 0);
-    pb_client_t *c = conn(&d);
+    daemon_t *d = &solo;
+    assert_int_equal(start(d, "--max-inflight-per-connection", "2", NULL), 0);
+    pb_client_t *c = conn(d);
     fd_t f;
     random_fd(&f, "f64", "gelu", 29);
     enum { N = 300 };
@@ -916,7 +878,7 @@ static void back_pressure(void **state)
         pb_reply_free(&r);
     }
     pb_client_close(c);
-    assert_int_equal(stop(&d), 0);
+    assert_int_equal(daemon_stop(d), 0);
 }
 
 /* SIGTERM: what was sent before the signal is answered normally, then the
@@ -924,9 +886,9 @@ static void back_pressure(void **state)
 static void sigterm_drain(void **state)
 {
     (void)state;
-    daemon_t d;
-    assert_int_equal(start(&d, "term.sock", NULL), 0);
-    pb_client_t *c = conn(&d);
+    daemon_t *d = &solo;
+    assert_int_equal(start(d, NULL), 0);
+    pb_client_t *c = conn(d);
     /* A few large forwards (64 MFLOP each) that are still running when the
      * signal comes. */
     static double big[256 * 256];
@@ -946,7 +908,7 @@ static void sigterm_drain(void **state)
         pb_pack_tensor(pk, &t);
         assert_int_equal(pb_client_send(c, &ids[k]), 0);
     }
-    kill(d.pid, SIGTERM);
+    kill(d->pid, SIGTERM);
     for (int k = 0; k < 4; k++) {
         pb_reply_t r;
         assert_int_equal(pb_client_wait(c, ids[k], &r), 0);
@@ -955,7 +917,8 @@ static void sigterm_drain(void **state)
         pb_reply_free(&r);
     }
     int st;
-    assert_int_equal(waitpid(d.pid, &st, 0), d.pid);
+    assert_int_equal(waitpid(d->pid, &st, 0), d->pid);
+    daemon_reaped(d);
     assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
     pb_client_close(c);
 }
@@ -987,11 +950,11 @@ static void pipelined_reply(unsigned char *state, size_t n, const pb_reply_t *r,
 static void sigterm_pipelined(void **state)
 {
     (void)state;
-    daemon_t d;
+    daemon_t *d = &solo;
     /* One request in flight at a time: while a slow one runs the daemon
      * does not read, and what the client sends piles up in the socket. */
-    assert_int_equal(start(&d, "termpipe.sock", "--max-inflight-per-connection", "1", NULL), 0);
-    pb_client_t *c = conn(&d);
+    assert_int_equal(start(d, "--max-inflight-per-connection", "1", NULL), 0);
+    pb_client_t *c = conn(d);
     enum { MAXID = 1 << 20, BEFORE = 200 };
     static unsigned char st[MAXID]; /* by msgid: 0 not sent, 1 sent before, 2 after, 3 answered */
     memset(st, 0, sizeof st);
@@ -1015,7 +978,7 @@ static void sigterm_pipelined(void **state)
     time_t give_up = ts.tv_sec + 20;
     for (int i = 0;; i++) {
         if (i == BEFORE)
-            kill(d.pid, SIGTERM);
+            kill(d->pid, SIGTERM);
         bool slow = i >= BEFORE - SLOW && i < BEFORE;
         msgpack_packer *pk = pb_client_begin(c, slow ? "check" : "forward");
         msgpack_pack_map(pk, slow ? 4 : 3);
@@ -1075,7 +1038,8 @@ static void sigterm_pipelined(void **state)
         fail_msg("%zu requests sent were never answered (the first: msgid %u, sent %s SIGTERM)", lost, first,
                  st[first] == 1 ? "before" : "after");
     int status;
-    assert_int_equal(waitpid(d.pid, &status, 0), d.pid);
+    assert_int_equal(waitpid(d->pid, &status, 0), d->pid);
+    daemon_reaped(d);
     assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     pb_client_close(c);
 }
@@ -1088,8 +1052,8 @@ static void sigterm_pipelined(void **state)
 static void sigterm_client_not_reading(void **state)
 {
     (void)state;
-    daemon_t d;
-    assert_int_equal(start(&d, "termstuck.sock", "--drain-timeout", "0.5", NULL), 0);
+    daemon_t *d = &solo;
+    assert_int_equal(start(d, "--drain-timeout", "0.5", NULL), 0);
     /* A 16 KiB request with an 8 MiB reply (y = W·x, W 1024×1, x 1×1024). */
     enum { N = 1024 };
     static double v[N];
@@ -1117,7 +1081,8 @@ static void sigterm_client_not_reading(void **state)
 
     int fd = socket(AF_UNIX, SOCK_STREAM, 0);
     struct sockaddr_un a = {.sun_family = AF_UNIX};
-    snprintf(a.sun_path, sizeof a.sun_path, "%s", d.path);
+    assert_true(strlen(d->sock) < sizeof a.sun_path);
+    memcpy(a.sun_path, d->sock, strlen(d->sock) + 1);
     assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
     int small = 64 << 10;
     setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small);
@@ -1138,16 +1103,18 @@ static void sigterm_client_not_reading(void **state)
         idle_ms += 10, ms += 10;
     }
     assert_true(idle_ms >= 200);
-    kill(d.pid, SIGTERM);
+    kill(d->pid, SIGTERM);
     int status = 0;
     pid_t got = 0;
-    for (int i = 0; i < 1000 && (got = waitpid(d.pid, &status, WNOHANG)) == 0; i++)
+    for (int i = 0; i < 1000 && (got = waitpid(d->pid, &status, WNOHANG)) == 0; i++)
         usleep(10000);
-    if (got != d.pid) {
-        kill(d.pid, SIGKILL);
-        waitpid(d.pid, &status, 0);
+    if (got != d->pid) {
+        kill(d->pid, SIGKILL);
+        waitpid(d->pid, &status, 0);
+        daemon_reaped(d);
         fail_msg("the daemon was still running 10 s after SIGTERM with --drain-timeout 0.5");
     }
+    daemon_reaped(d);
     assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     close(fd);
     msgpack_sbuffer_destroy(&sb);
@@ -1157,9 +1124,9 @@ static void sigterm_client_not_reading(void **state)
 static void drain_method(void **state)
 {
     (void)state;
-    daemon_t d;
-    assert_int_equal(start(&d, "drain.sock", NULL), 0);
-    pb_client_t *c = conn(&d);
+    daemon_t *d = &solo;
+    assert_int_equal(start(d, NULL), 0);
+    pb_client_t *c = conn(d);
     fd_t f;
     random_fd(&f, "f64", "gelu", 31);
     const char *const wrt[] = {"x", NULL};
@@ -1197,7 +1164,7 @@ static void drain_method(void **state)
         pb_reply_free(&r);
     }
     pb_client_close(c);
-    assert_int_equal(stop(&d), 0);
+    assert_int_equal(daemon_stop(d), 0);
 }
 
 static double now_s(void)
@@ -1264,21 +1231,13 @@ static void slow_request_isolated(void **state)
 static int setup(void **state)
 {
     (void)state;
-    snprintf(dir, sizeof dir, "/tmp/pbe2e.XXXXXX");
-    if (mkdtemp(dir) == NULL)
-        return -1;
-    return start(&main_daemon, "main.sock", "--workers", "2", NULL);
+    return start(&main_daemon, "--workers", "2", NULL);
 }
 
 static int teardown(void **state)
 {
     (void)state;
-    int rc = stop(&main_daemon);
-    char cmd[128];
-    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
-    if (system(cmd) != 0)
-        return -1;
-    return rc;
+    return daemon_stop(&main_daemon);
 }
 
 int main(int argc, char **argv)
@@ -1290,16 +1249,27 @@ int main(int argc, char **argv)
     daemon_bin = argv[1];
     signal(SIGPIPE, SIG_IGN);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(hello_ops_stats), cmocka_unit_test(numbers),
-        cmocka_unit_test(tape_bytes_exact), cmocka_unit_test(keep_and_failed_validation),
-        cmocka_unit_test(check_method),     cmocka_unit_test(errors),
-        cmocka_unit_test(parse_errors),     cmocka_unit_test(pipelined_1000),
-        cmocka_unit_test(two_connections),  cmocka_unit_test(closed_connection_frees),
-        cmocka_unit_test(bad_message_isolated), cmocka_unit_test(ttl_expiry),
-        cmocka_unit_test(limits),           cmocka_unit_test(shutdown_method),
-        cmocka_unit_test(socket_takeover),  cmocka_unit_test(back_pressure),
-        cmocka_unit_test(sigterm_drain),    cmocka_unit_test(sigterm_pipelined),
-        cmocka_unit_test(sigterm_client_not_reading), cmocka_unit_test(drain_method),
+        cmocka_unit_test(hello_ops_stats),
+        cmocka_unit_test(numbers),
+        cmocka_unit_test(tape_bytes_exact),
+        cmocka_unit_test(keep_and_failed_validation),
+        cmocka_unit_test(check_method),
+        cmocka_unit_test(errors),
+        cmocka_unit_test(parse_errors),
+        cmocka_unit_test(pipelined_1000),
+        cmocka_unit_test(two_connections),
+        cmocka_unit_test(closed_connection_frees),
+        cmocka_unit_test(bad_message_isolated),
+        cmocka_unit_test(ttl_expiry),
+        /* These start a daemon of their own (solo). */
+        cmocka_unit_test_teardown(limits, stop_solo),
+        cmocka_unit_test_teardown(shutdown_method, stop_solo),
+        cmocka_unit_test_teardown(socket_takeover, stop_solo),
+        cmocka_unit_test_teardown(back_pressure, stop_solo),
+        cmocka_unit_test_teardown(sigterm_drain, stop_solo),
+        cmocka_unit_test_teardown(sigterm_pipelined, stop_solo),
+        cmocka_unit_test_teardown(sigterm_client_not_reading, stop_solo),
+        cmocka_unit_test_teardown(drain_method, stop_solo),
         cmocka_unit_test(slow_request_isolated),
     };
     return cmocka_run_group_tests_name("e2e.daemon", tests, setup, teardown);

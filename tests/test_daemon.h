@@ -1,9 +1,11 @@
-/* Starting and stopping a private pullbackd for a benchmark or an end-to-
- * end test: a fresh mkdtemp directory, the daemon on a socket there,
- * SIGTERM at the end.  Static functions, one copy per program. */
+/* Starting and stopping a private pullbackd for a benchmark, a load test or
+ * an end-to-end test: a fresh mkdtemp directory, the daemon on a socket
+ * there, SIGTERM at the end; and the daemon's CPU time for the benchmarks.
+ * Static functions, one copy per program. */
 #ifndef PB_TEST_DAEMON_H
 #define PB_TEST_DAEMON_H
 
+#include <dirent.h>
 #include <errno.h>
 #include <stdbool.h>
 #include <signal.h>
@@ -76,12 +78,22 @@ static void daemon_track(daemon_t *d, bool on)
         }
 }
 
-static int daemon_start(daemon_t *d, const char *bin, const char *const *extra)
+/* A fresh directory for d and its socket path there, without starting
+ * anything: a test can put something at d->sock first (a stale socket). */
+static int daemon_mkdir(daemon_t *d)
 {
-    snprintf(d->dir, sizeof d->dir, "/tmp/pbbench.XXXXXX");
+    snprintf(d->dir, sizeof d->dir, "/tmp/pbtest.XXXXXX");
     if (mkdtemp(d->dir) == NULL)
         return -errno;
     snprintf(d->sock, sizeof d->sock, "%s/pullbackd.sock", d->dir);
+    return 0;
+}
+
+/* Start bin on d->sock (daemon_mkdir first) with the NULL-terminated extra
+ * flags, and wait (10 s at most) until it accepts connections.  -ECHILD
+ * when it exited instead. */
+static int daemon_spawn(daemon_t *d, const char *bin, const char *const *extra)
+{
     const char *argv[24];
     int n = 0;
     argv[n++] = bin;
@@ -116,6 +128,48 @@ static int daemon_start(daemon_t *d, const char *bin, const char *const *extra)
         usleep(5000);
     }
     return -ETIMEDOUT;
+}
+
+static int daemon_start(daemon_t *d, const char *bin, const char *const *extra)
+{
+    int rc = daemon_mkdir(d);
+    return rc ? rc : daemon_spawn(d, bin, extra);
+}
+
+/* The caller reaped the daemon itself (it signalled it and checked how it
+ * exited): forget it, and remove its socket and directory. */
+static inline void daemon_reaped(daemon_t *d)
+{
+    d->pid = 0;
+    daemon_stop(d);
+}
+
+/* CPU time of all threads of pid, in ns, from /proc/PID/task/TID/schedstat
+ * (exact, unlike the clock ticks of /proc/PID/stat); 0 when pid is gone. */
+static inline uint64_t pid_cpu_ns(pid_t pid)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+    DIR *d = opendir(path);
+    if (d == NULL)
+        return 0;
+    uint64_t sum = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.')
+            continue;
+        char p2[400];
+        snprintf(p2, sizeof p2, "%s/%s/schedstat", path, e->d_name);
+        FILE *f = fopen(p2, "r");
+        if (f == NULL)
+            continue;
+        unsigned long long v;
+        if (fscanf(f, "%llu", &v) == 1)
+            sum += v;
+        fclose(f);
+    }
+    closedir(d);
+    return sum;
 }
 
 /* SIGTERM, wait (SIGKILL after 10 s), remove the socket and directory.

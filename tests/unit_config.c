@@ -278,6 +278,99 @@ static void diff_and_set(void **state)
     assert_non_null(strstr(d.keys, "device:cpu>cuda:1"));
 }
 
+/* Every row's default parses and is what a load without file or flags
+ * gives; every size row can be set by name. */
+static void table_defaults(void **state)
+{
+    (void)state;
+    size_t n;
+    const pb_setting_t *t = pb_config_settings(&n);
+    assert_true(n >= 14);
+    pb_config_t c, d;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--socket", "/tmp/t.sock", NULL), 0);
+    for (size_t k = 0; k < n; k++) {
+        assert_non_null(t[k].help);
+        assert_non_null(t[k].arg);
+        if (t[k].def == NULL)
+            continue;
+        d = c;
+        memset((char *)&d + t[k].off, 0x5a, t[k].size);
+        assert_int_equal(pb_config_set(&d, t[k].name, t[k].def, err, sizeof err), 0);
+        assert_memory_equal((char *)&d + t[k].off, (char *)&c + t[k].off, t[k].size);
+    }
+    assert_int_equal(c.max_queued_bytes_per_connection, (size_t)64 << 20);
+    assert_int_equal(c.max_message_bytes, (size_t)256 << 20);
+    assert_int_equal(c.socket_mode, 0660);
+    assert_int_equal(c.log_level, PB_LOG_INFO);
+    assert_true(c.workers >= 1);
+}
+
+/* hello's limits are the rows that name one, in table order, with the
+ * configured values; the seven clients have always seen come first. */
+static void limits_from_table(void **state)
+{
+    (void)state;
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--socket", "/tmp/t.sock", "--max-tape-bytes", "3M",
+                          "--max-queued-bytes-per-connection", "1M", NULL), 0);
+    pb_config_limit_t lim[PB_CONFIG_MAX_LIMITS];
+    int n = pb_config_limits(&c, lim);
+    static const char *const want[] = {"max_message_bytes", "max_tape_bytes", "max_tape_bytes_per_uid",
+                                       "max_tapes_per_connection", "max_inflight_per_connection",
+                                       "max_buffers_per_connection", "max_buffer_bytes_per_connection",
+                                       "max_queued_bytes_per_connection"};
+    assert_int_equal(n, 8);
+    for (int i = 0; i < n; i++)
+        assert_string_equal(lim[i].name, want[i]);
+    assert_int_equal(lim[1].value, 3u << 20);
+    assert_int_equal(lim[7].value, 1u << 20);
+    /* Each limit is a setting whose key is its name with dashes. */
+    size_t nrows;
+    const pb_setting_t *t = pb_config_settings(&nrows);
+    for (int i = 0; i < n; i++) {
+        int found = 0;
+        for (size_t k = 0; k < nrows; k++) {
+            char key[64];
+            snprintf(key, sizeof key, "%s", t[k].name);
+            for (char *p = key; *p; p++)
+                if (*p == '-')
+                    *p = '_';
+            found += strcmp(key, lim[i].name) == 0 && t[k].limit != NULL;
+        }
+        assert_int_equal(found, 1);
+    }
+}
+
+/* A reload copies exactly the reloadable rows (and the file's name). */
+static void apply_reloadable(void **state)
+{
+    (void)state;
+    pb_config_t a, b;
+    char err[512];
+    assert_int_equal(load(&a, NULL, err, sizeof err, "--socket", "/tmp/a.sock", NULL), 0);
+    assert_int_equal(load(&b, NULL, err, sizeof err, "--socket", "/tmp/b.sock", "--workers", "7", "--socket-mode",
+                          "0600", "--max-tape-bytes", "1M", "--max-queued-bytes-per-connection", "2M",
+                          "--log-level", "debug", "--drain-timeout", "5", NULL), 0);
+    snprintf(b.config_file, sizeof b.config_file, "/etc/new.conf");
+    pb_config_t r = a;
+    pb_config_apply_reloadable(&r, &b);
+    assert_string_equal(r.socket_path, "/tmp/a.sock");
+    assert_int_equal(r.socket_mode, a.socket_mode);
+    assert_int_equal(r.workers, a.workers);
+    assert_int_equal(r.max_tape_bytes, 1u << 20);
+    assert_int_equal(r.max_queued_bytes_per_connection, 2u << 20);
+    assert_int_equal(r.log_level, PB_LOG_DEBUG);
+    assert_true(r.drain_timeout_s == 5.0);
+    assert_string_equal(r.config_file, "/etc/new.conf");
+    /* What it leaves is what diff calls a restart. */
+    diff_t d = {0};
+    pb_config_diff(&r, &b, on_diff, &d);
+    assert_int_equal(d.reloadable, 0);
+    assert_int_equal(d.n, 3); /* socket, socket-mode, workers */
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -301,6 +394,8 @@ int main(void)
         cmocka_unit_test(bad_files),             cmocka_unit_test(missing_explicit_file),
         cmocka_unit_test(flags_win),             cmocka_unit_test(bad_flags),
         cmocka_unit_test(socket_chain),          cmocka_unit_test(diff_and_set),
+        cmocka_unit_test(table_defaults),        cmocka_unit_test(limits_from_table),
+        cmocka_unit_test(apply_reloadable),
     };
     return cmocka_run_group_tests_name("unit.config", tests, setup, teardown);
 }

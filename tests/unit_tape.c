@@ -1,6 +1,7 @@
 /* unit.tape: the tape table (daemon/tape.c): handles, epochs, limits and
- * byte accounting.  Scopes and TTL, which live in the request layer, are
- * tested end to end (e2e_daemon). */
+ * byte accounting; and the tape lifecycle: scopes, expiry, the waiters of
+ * a busy tape, and what a closing connection does to its tapes (also
+ * tested end to end, e2e_daemon). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -157,11 +158,134 @@ static void foreach_remove(void **state)
     pb_tapes_destroy(&t);
 }
 
+/* A tape of uid held by the connection with list l (NULL: none), scoped
+ * to it unless peer, expiring at expires. */
+static pb_tape_t *held(pb_tapes_t *t, uid_t uid, pb_tape_list_t *l, bool peer, uint64_t expires)
+{
+    pb_tape_t *tape = add(t, uid, 8);
+    tape->peer_scope = peer;
+    tape->ttl_ms = 100;
+    tape->expires_ms = expires;
+    if (l)
+        pb_tape_link(tape, l);
+    return tape;
+}
+
+static void scopes_and_expiry(void **state)
+{
+    (void)state;
+    pb_tapes_t t;
+    pb_tape_list_t mine = {0}, other = {0};
+    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20), 0);
+    pb_tape_t *c = held(&t, 7, &mine, false, 1000);
+    pb_tape_t *p = held(&t, 7, &mine, true, 1000);
+    uint64_t hc = c->handle, hp = p->handle;
+    assert_int_equal(mine.n, 2);
+    /* Connection scope: only its own connection sees it. */
+    assert_ptr_equal(pb_tapes_lookup(&t, hc, 7, &mine, 0), c);
+    assert_null(pb_tapes_lookup(&t, hc, 7, &other, 0));
+    /* Peer scope: any connection of the same uid, no other uid. */
+    assert_ptr_equal(pb_tapes_lookup(&t, hp, 7, &other, 0), p);
+    assert_null(pb_tapes_lookup(&t, hp, 8, &other, 0));
+    /* A busy tape is not freed for expiring; an idle expired one is, on
+     * lookup or by the sweep. */
+    c->busy = true;
+    assert_ptr_equal(pb_tapes_lookup(&t, hc, 7, &mine, 5000), c);
+    pb_tapes_sweep(&t, 5000);
+    assert_int_equal(t.count, 1);
+    assert_null(pb_tapes_find(&t, hp));
+    c->busy = false;
+    assert_null(pb_tapes_lookup(&t, hc, 7, &mine, 5000));
+    assert_int_equal(t.count, 0);
+    assert_int_equal(mine.n, 0);
+    assert_null(mine.head);
+    pb_tapes_destroy(&t);
+}
+
+typedef struct waiter {
+    pb_tape_waiter_t w; /* first */
+    pb_tape_t *got;
+    int calls;
+    bool take;          /* make the tape busy when its turn comes */
+} waiter_t;
+
+static void on_turn(pb_tape_waiter_t *w, pb_tape_t *tape)
+{
+    waiter_t *x = (waiter_t *)w;
+    x->calls++;
+    x->got = tape;
+    if (tape && x->take)
+        tape->busy = true;
+}
+
+static void waiters_in_order(void **state)
+{
+    (void)state;
+    pb_tapes_t t;
+    pb_tape_list_t mine = {0};
+    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20), 0);
+    pb_tape_t *tape = held(&t, 7, &mine, false, 1000);
+    tape->busy = true;
+    waiter_t a = {.w.run = on_turn, .take = true}, b = {.w.run = on_turn, .take = true};
+    pb_tape_wait(tape, &a.w);
+    pb_tape_wait(tape, &b.w);
+    assert_false(pb_tape_idle(tape));
+    /* The running reverse kept the tape: a's turn, and a makes it busy,
+     * so b waits on; the ttl restarted. */
+    pb_tapes_done(&t, tape, false, 50);
+    assert_int_equal(a.calls, 1);
+    assert_ptr_equal(a.got, tape);
+    assert_int_equal(b.calls, 0);
+    assert_int_equal(tape->expires_ms, 150);
+    /* a consumed it: b hears the tape is gone. */
+    pb_tapes_done(&t, tape, true, 60);
+    assert_int_equal(b.calls, 1);
+    assert_null(b.got);
+    assert_int_equal(t.count, 0);
+    assert_int_equal(mine.n, 0);
+    pb_tapes_destroy(&t);
+}
+
+static void connection_closes(void **state)
+{
+    (void)state;
+    pb_tapes_t t;
+    pb_tape_list_t mine = {0};
+    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20), 0);
+    pb_tape_t *idle = held(&t, 7, &mine, false, 1000);
+    pb_tape_t *busy = held(&t, 7, &mine, false, 1000);
+    pb_tape_t *peer = held(&t, 7, &mine, true, 1000);
+    uint64_t hi = idle->handle, hb = busy->handle;
+    busy->busy = true;
+    waiter_t w = {.w.run = on_turn};
+    pb_tape_wait(busy, &w.w);
+    pb_tapes_list_closed(&t, &mine);
+    assert_null(mine.head);
+    assert_int_equal(mine.n, 0);
+    /* The idle one is gone, the busy one doomed, the peer one kept with
+     * no owner. */
+    assert_null(pb_tapes_find(&t, hi));
+    assert_true(busy->doomed);
+    assert_null(pb_tapes_lookup(&t, hb, 7, NULL, 0));
+    assert_null(peer->owner);
+    assert_ptr_equal(pb_tapes_lookup(&t, peer->handle, 7, NULL, 0), peer);
+    /* The doomed tape goes when its reverse ends, even if kept, and its
+     * waiter hears it is gone. */
+    pb_tapes_done(&t, busy, false, 0);
+    assert_null(pb_tapes_find(&t, hb));
+    assert_int_equal(w.calls, 1);
+    assert_null(w.got);
+    assert_int_equal(t.count, 1);
+    pb_tapes_destroy(&t);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(insert_find_remove), cmocka_unit_test(no_reuse), cmocka_unit_test(epochs),
         cmocka_unit_test(limits), cmocka_unit_test(foreach_remove),
+        cmocka_unit_test(scopes_and_expiry), cmocka_unit_test(waiters_in_order),
+        cmocka_unit_test(connection_closes),
     };
     return cmocka_run_group_tests_name("unit.tape", tests, NULL, NULL);
 }

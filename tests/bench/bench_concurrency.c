@@ -34,7 +34,6 @@
  * program).  --quick: x 2048x256, 5 repetitions, about 3 s.  The default
  * takes about 12 s. */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -52,44 +51,11 @@
 #include "../test_daemon.h"
 #include "pullbackd.h"
 
-
 static _Noreturn void die(const char *what)
 {
     fprintf(stderr, "bench_concurrency: %s\n", what);
     exit(1);
 }
-
-/* CPU time of all threads of pid, in ns (/proc/PID/task/TID/schedstat). */
-static uint64_t pid_cpu_ns(pid_t pid)
-{
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
-    DIR *d = opendir(path);
-    if (d == NULL)
-        return 0;
-    uint64_t sum = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL) {
-        if (e->d_name[0] == '.')
-            continue;
-        char p2[400];
-        snprintf(p2, sizeof p2, "%s/%s/schedstat", path, e->d_name);
-        FILE *f = fopen(p2, "r");
-        if (f == NULL)
-            continue;
-        unsigned long long v;
-        if (fscanf(f, "%llu", &v) == 1)
-            sum += v;
-        fclose(f);
-    }
-    closedir(d);
-    return sum;
-}
-
-/* ---- the daemon (as in bench_socket.c) ---------------------------------- */
-
-
-
 
 /* ---- the request -------------------------------------------------------- */
 

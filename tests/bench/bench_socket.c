@@ -45,7 +45,6 @@
  * whose name contains SUBSTRING (for profiling one case: the daemon's pid
  * is printed in the first line). */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -104,34 +103,6 @@ static uint64_t process_cpu_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-/* CPU time of all threads of pid, in ns, from /proc/PID/task/TID/schedstat
- * (exact, unlike the clock ticks of /proc/PID/stat). */
-static uint64_t pid_cpu_ns(pid_t pid)
-{
-    char path[64];
-    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
-    DIR *d = opendir(path);
-    if (d == NULL)
-        return 0;
-    uint64_t sum = 0;
-    struct dirent *e;
-    while ((e = readdir(d)) != NULL) {
-        if (e->d_name[0] == '.')
-            continue;
-        char p2[400];
-        snprintf(p2, sizeof p2, "%s/%s/schedstat", path, e->d_name);
-        FILE *f = fopen(p2, "r");
-        if (f == NULL)
-            continue;
-        unsigned long long v;
-        if (fscanf(f, "%llu", &v) == 1)
-            sum += v;
-        fclose(f);
-    }
-    closedir(d);
-    return sum;
 }
 
 static _Noreturn void die(const char *what)

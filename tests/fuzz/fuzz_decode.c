@@ -9,6 +9,10 @@
  *   CC=clang meson setup build-fuzz -Dfuzz=true -Db_sanitize=address,undefined -Db_lundef=false
  *   ninja -C build-fuzz tests/fuzz/fuzz_decode
  *   build-fuzz/tests/fuzz/fuzz_decode -max_total_time=60 tests/fuzz/corpus
+ * In that build everything the target links (proto/, kernels/, daemon/) is
+ * compiled with -fsanitize=fuzzer-no-link (the top-level meson.build), so
+ * libFuzzer's coverage counts the decoder, the request checks and the
+ * kernels, not only this file.
  * Tensors may say {buffer, offset} (contract section 6): two fake buffers
  * stand in for a connection's table, id 1 (4096 bytes, writable) and id 2
  * (256 bytes, read-only), so buffer inputs and the into targets of

@@ -1,0 +1,358 @@
+/* The call methods (methods.h): forward, augmented_forward and check run
+ * an op; reverse runs a tape's pullback; release drops a tape.  Each
+ * validates its params (request.c), reserves what it will hold, and runs
+ * its math inline or on a worker; the completion, on the loop thread,
+ * keeps or frees the tape and answers. */
+#include <string.h>
+
+#include "../kernels/check.h"
+#include "buffer.h"
+#include "methods.h"
+#include "reply.h"
+#include "rpc.h"
+
+/* ---- shared by the calls -------------------------------------------------- */
+
+/* Write the results that have an into target into their buffers, on the
+ * thread that computed them, and keep what the reply says of them. */
+static int store_into(pb_req_t *r, pb_tensor_t *res, int n)
+{
+    for (int i = 0; i < n; i++) {
+        if (r->into[i].storage == NULL || res[i].storage == NULL)
+            continue;
+        int rc = pb_into_store(&r->into[i], &res[i], r->accumulate, &r->err);
+        if (rc)
+            return rc;
+        r->into_meta[i] = res[i];
+        r->into_meta[i].storage = NULL;
+        r->into_meta[i].offset = 0;
+        pb_tensor_clear(&res[i]);
+    }
+    return 0;
+}
+
+/* A request that read or wrote a buffer the client shrank under it (the
+ * SIGBUS handler put zero pages there) computed garbage: fail it.  The
+ * buffers it touched are the mappings its inputs, cotangents and into
+ * targets view (a mapping is aligned for its dtype, so no input of it was
+ * replaced by an aligned copy). */
+static int check_broken(pb_req_t *r)
+{
+    const pb_storage_t *seen[2 * PB_MAX_IO + 2];
+    int n = 0;
+    for (int i = 0; i < PB_MAX_IO; i++)
+        seen[n++] = r->kind == PB_REQ_CALL      ? r->u.call.call.in[i].storage
+                    : r->kind == PB_REQ_REVERSE ? r->u.rev.cot[i].storage
+                                                : NULL;
+    for (int i = 0; i < PB_MAX_IO + 2; i++)
+        seen[n++] = r->into[i].storage;
+    for (int i = 0; i < n; i++)
+        if (pb_shm_broken(seen[i]))
+            return pb_err_set(&r->err, PB_EINVALID_ARGUMENT, NULL,
+                              "buffer %llu shrank below its registered size while this request used it; its "
+                              "contents are lost: unregister it",
+                              (unsigned long long)pb_shm_id(seen[i]));
+    return 0;
+}
+
+static void answer(pb_req_t *r)
+{
+    if (r->rc)
+        pb__req_fail(r, r->rc);
+    else
+        pb__req_finish(r);
+}
+
+/* ---- forward, augmented_forward, check ---------------------------------- */
+
+static void run_forward(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    pb_req_call_t *x = &r->u.call;
+    r->rc = pb_op_run_forward(&x->call, x->call.taped ? &x->tdata : NULL, &r->err);
+    if (r->rc == 0)
+        r->rc = store_into(r, x->call.out, x->call.op->noutputs);
+}
+
+static void run_check(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    pb_req_call_t *x = &r->u.call;
+    r->rc = pb_check_run(&x->call, x->seed, &x->max_rel, x->per_input, &r->err);
+}
+
+static void forward_done(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    pb_req_call_t *x = &r->u.call;
+    pb_tapes_t *tapes = &r->rpc->tapes;
+    pb_conn_t *c = r->conn;
+    pb_tape_list_t *mine = pb_conn_tapes(c);
+    uid_t uid = pb_conn_uid(c);
+    int broken = check_broken(r);
+    if (broken)
+        r->rc = broken;
+    if (!x->call.taped || r->rc) {
+        if (x->call.taped) {
+            pb_tapes_unreserve(tapes, uid, x->reserved);
+            mine->n--;
+        }
+        return answer(r);
+    }
+    mine->n--; /* the pending count becomes the tape's own below */
+    if (pb_conn_closing(c) && !x->peer_scope) {
+        pb_tapes_unreserve(tapes, uid, x->reserved);
+        return pb__req_finish(r); /* nobody can use it; the reply is dropped too */
+    }
+    pb_tape_t *t = pb_tapes_insert(tapes, uid, x->reserved, &x->tdata);
+    if (t == NULL) {
+        pb_err_set(&r->err, PB_ENOMEM, NULL, "out of memory for the tape");
+        return pb__req_fail(r, PB_ENOMEM);
+    }
+    t->peer_scope = x->peer_scope;
+    t->ttl_ms = x->ttl_ms;
+    t->expires_ms = uv_now(r->rpc->loop) + x->ttl_ms;
+    if (!pb_conn_closing(c))
+        pb_tape_link(t, mine);
+    x->made = t;
+    pb__req_finish(r);
+}
+
+static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg, pb_call_kind_t kind)
+{
+    pb_rpc_t *rpc = r->rpc;
+    pb_conn_t *c = r->conn;
+    pb_req_call_t *x = &r->u.call;
+    r->kind = PB_REQ_CALL;
+    /* drain and shutdown refuse new forward calls.  SIGTERM does not: what
+     * was sent before it is served normally, and what came later is
+     * refused before it gets here (late, in pb_rpc_message). */
+    if (rpc->draining) {
+        pb_err_set(&r->err, PB_ESHUTTING_DOWN, NULL, "the daemon is draining: no new forward calls");
+        return pb__req_fail(r, PB_ESHUTTING_DOWN);
+    }
+    pb_call_extra_t ex = {0};
+    pb_resolver_t res = pb_buffers_resolver(pb_conn_buffers(c));
+    int rc = pb_request_call(rpc->cfg, params, msg, &res, kind, &x->call, &ex, &r->err);
+    memcpy(r->into, ex.into, sizeof ex.into); /* the references are r's now, freed with it */
+    if (rc)
+        return pb__req_fail(r, rc);
+    x->peer_scope = ex.peer_scope;
+    x->ttl_ms = ex.ttl_ms;
+    x->seed = ex.seed;
+    x->reply_bytes = ex.reply_bytes;
+    if (kind == PB_CALL_AUGMENTED) {
+        pb_tape_list_t *mine = pb_conn_tapes(c);
+        if (mine->n >= rpc->cfg->max_tapes_per_connection) {
+            pb_err_set(&r->err, PB_ERESOURCE_EXHAUSTED, "max_tapes_per_connection",
+                       "this connection holds %zu tapes, the max_tapes_per_connection limit", mine->n);
+            return pb__req_fail(r, PB_ERESOURCE_EXHAUSTED);
+        }
+        if ((rc = pb_tapes_reserve(&rpc->tapes, pb_conn_uid(c), x->call.tape_bytes, &r->err)))
+            return pb__req_fail(r, rc);
+        x->reserved = x->call.tape_bytes;
+        mine->n++;
+    }
+    /* A check answers with a few numbers. */
+    if (kind != PB_CALL_CHECK)
+        pb__req_reserve(r, x->reply_bytes);
+    r->encode = kind == PB_CALL_FORWARD     ? pb__enc_forward
+                : kind == PB_CALL_AUGMENTED ? pb__enc_augmented
+                                            : pb__enc_check;
+    r->job.run = kind == PB_CALL_CHECK ? run_check : run_forward;
+    r->job.done = forward_done;
+    /* A check runs the op about 4·|wrt| + 2 times. */
+    double cost = x->call.cost * (kind == PB_CALL_CHECK ? 4.0 * x->call.op->nwrt + 2 : 1);
+    pb__req_submit(r, cost, x->call.device);
+}
+
+void pb__m_forward(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, PB_CALL_FORWARD); }
+void pb__m_augmented(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, PB_CALL_AUGMENTED); }
+void pb__m_check(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, PB_CALL_CHECK); }
+
+/* ---- reverse -------------------------------------------------------------- */
+
+static pb_req_t *of_waiter(pb_tape_waiter_t *w)
+{
+    return (pb_req_t *)((char *)w - offsetof(pb_req_t, wait));
+}
+
+/* The tape a waiting request wanted went first. */
+static void tape_gone(pb_req_t *r, uint64_t handle)
+{
+    pb_err_set(&r->err, PB_EUNKNOWN_TAPE, "tape", "tape %llu was consumed or released while this request waited",
+               (unsigned long long)handle);
+    pb__req_fail(r, PB_EUNKNOWN_TAPE);
+}
+
+static void run_reverse(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    pb_req_reverse_t *v = &r->u.rev;
+    r->rc = pb_op_run_reverse(&v->tape->data, v->cot, v->grad, v->order, &v->warn, &r->err);
+    if (r->rc == 0)
+        r->rc = store_into(r, v->grad, v->tape->data.op->nwrt);
+}
+
+static void reverse_done(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    pb_tape_t *t = r->u.rev.tape;
+    int broken = check_broken(r);
+    if (broken)
+        r->rc = broken;
+    r->u.rev.tape = NULL;
+    /* Failed, so the tape is kept: the client may retry with a sound
+     * buffer. */
+    pb_tapes_done(&r->rpc->tapes, t, r->rc == 0 && !r->u.rev.keep, uv_now(r->rpc->loop));
+    answer(r);
+}
+
+static void start_reverse(pb_req_t *r, pb_tape_t *t)
+{
+    pb_req_reverse_t *v = &r->u.rev;
+    t->busy = true;
+    v->tape = t;
+    /* The gradients are described by the tape; keep its identity for the
+     * encoder. */
+    v->op = t->data.op;
+    v->wrt = t->data.wrt;
+    r->job.run = run_reverse;
+    r->job.done = reverse_done;
+    /* A reverse costs about twice its forward. */
+    pb__req_submit(r, 2.0 * t->data.cost, t->data.device);
+}
+
+static void reverse_turn(pb_tape_waiter_t *w, pb_tape_t *t)
+{
+    pb_req_t *r = of_waiter(w);
+    if (t)
+        start_reverse(r, t);
+    else
+        tape_gone(r, r->u.rev.handle);
+}
+
+static int reverse_params(pb_req_t *r, const msgpack_object *params)
+{
+    static const char *const keys[] = {"tape", "cotangents", "keep", "order", "into", "accumulate", NULL};
+    pb_req_reverse_t *v = &r->u.rev;
+    int rc = pb_request_check_keys(params, keys, &r->err);
+    if (rc == 0)
+        rc = pb_request_accumulate(params, &r->accumulate, &r->err);
+    if (rc == 0 && r->accumulate && pb__obj_get(params, "into") == NULL)
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "accumulate",
+                        "accumulate adds gradients into their into buffers, and this reverse has no into");
+    if (rc == 0) {
+        const msgpack_object *o = pb__obj_get(params, "tape");
+        if (o == NULL)
+            rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "missing tape (the handle from augmented_forward)");
+        else if (!pb__obj_handle(o, &v->handle))
+            rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "tape must be an integer handle");
+    }
+    if (rc == 0)
+        rc = pb_request_order(params, &v->order, &r->err);
+    const msgpack_object *keep = pb__obj_get(params, "keep");
+    if (rc == 0 && keep) {
+        if (keep->type != MSGPACK_OBJECT_BOOLEAN)
+            rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "keep", "keep must be true or false");
+        else
+            v->keep = keep->via.boolean;
+    }
+    return rc;
+}
+
+/* The tape behind r's handle as r's connection may see it, or NULL. */
+static pb_tape_t *lookup(pb_req_t *r, uint64_t handle)
+{
+    return pb_tapes_lookup(&r->rpc->tapes, handle, pb_conn_uid(r->conn), pb_conn_tapes(r->conn),
+                           uv_now(r->rpc->loop));
+}
+
+void pb__m_reverse(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
+{
+    pb_req_reverse_t *v = &r->u.rev;
+    r->kind = PB_REQ_REVERSE;
+    int rc = reverse_params(r, params);
+    if (rc)
+        return pb__req_fail(r, rc);
+    pb_tape_t *t = lookup(r, v->handle);
+    if (t == NULL) {
+        pb_err_set(&r->err, PB_EUNKNOWN_TAPE, "tape", "tape %llu is not held (consumed, released, expired, "
+                   "of another connection, or never issued)", (unsigned long long)v->handle);
+        return pb__req_fail(r, PB_EUNKNOWN_TAPE);
+    }
+    pb_resolver_t res = pb_buffers_resolver(pb_conn_buffers(r->conn));
+    if ((rc = pb_request_cotangents(&t->data, pb__obj_get(params, "cotangents"), msg, &res, v->cot, &r->err)))
+        return pb__req_fail(r, rc);
+    /* Gradients have their input's dtype and shape; those of alpha and
+     * beta are scalars of the call's dtype.  All come in the order asked. */
+    const pb_op_t *op = t->data.op;
+    pb_tensor_t gmeta[PB_MAX_IO + 2];
+    memset(gmeta, 0, sizeof gmeta);
+    for (int k = 0; k < op->nwrt; k++) {
+        if (k < op->ninputs)
+            gmeta[k] = t->data.in_meta[k];
+        else
+            gmeta[k].dtype = t->data.dtype;
+        gmeta[k].order = v->order;
+    }
+    if ((rc = pb_request_into(pb__obj_get(params, "into"), &res, op->wrt_names, op->nwrt, t->data.wrt, gmeta,
+                              "gradient", r->into, &r->err)))
+        return pb__req_fail(r, rc);
+    /* The gradients that go in the reply (alpha and beta: a scalar each,
+     * not worth counting). */
+    size_t grads = 0;
+    for (int k = 0; k < op->ninputs; k++) {
+        const pb_tensor_t *m = &t->data.in_meta[k];
+        size_t b;
+        if ((t->data.wrt & (1u << k)) && r->into[k].storage == NULL &&
+            pb_shape_count(m->rank, m->shape, pb_dtype_size(m->dtype), NULL, &b))
+            grads += b;
+    }
+    pb__req_reserve(r, grads);
+    r->encode = pb__enc_reverse;
+    if (pb_tape_idle(t)) {
+        start_reverse(r, t);
+    } else {
+        r->wait.run = reverse_turn;
+        pb_tape_wait(t, &r->wait);
+    }
+}
+
+/* ---- release -------------------------------------------------------------- */
+
+static void do_release(pb_req_t *r, pb_tape_t *t)
+{
+    r->u.rel.released = t != NULL;
+    if (t)
+        pb_tapes_free(&r->rpc->tapes, t);
+    pb__req_finish(r);
+}
+
+static void release_turn(pb_tape_waiter_t *w, pb_tape_t *t)
+{
+    do_release(of_waiter(w), t);
+}
+
+void pb__m_release(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
+{
+    (void)msg;
+    static const char *const keys[] = {"tape", NULL};
+    r->kind = PB_REQ_RELEASE;
+    int rc = pb_request_check_keys(params, keys, &r->err);
+    const msgpack_object *h = pb__obj_get(params, "tape");
+    if (rc == 0 && h == NULL)
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "missing tape");
+    if (rc == 0 && !pb__obj_handle(h, &r->u.rel.handle))
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "tape must be an integer handle");
+    if (rc)
+        return pb__req_fail(r, rc);
+    r->encode = pb__enc_release;
+    pb_tape_t *t = lookup(r, r->u.rel.handle);
+    if (t == NULL || pb_tape_idle(t)) {
+        do_release(r, t);
+    } else {
+        r->wait.run = release_turn;
+        pb_tape_wait(t, &r->wait);
+    }
+}

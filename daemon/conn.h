@@ -1,0 +1,196 @@
+/* Connections: accepting clients, reading and framing their messages,
+ * passed fds, back-pressure, batched replies.
+ *
+ * This layer knows nothing of methods or of the server above it.  The
+ * server hands the connection set its callbacks (libuv's way: the lower
+ * layer never names its caller): each framed message goes to on_message,
+ * a closing connection to on_close, and on_idle hears whenever something
+ * finished (a connection closed, a write completed) so that a stopping
+ * server can check whether it is done.
+ *
+ * Glossary
+ *   connection  one accepted client socket (pb_conn_t): its read buffer
+ *               and framing state, its identity (SO_PEERCRED), the tapes
+ *               it created, its requests in flight.
+ *   in flight   a message handed to on_message whose request has not
+ *               called pb_conn_request_done; past
+ *               max_inflight_per_connection the connection stops reading.
+ *   queued      reply bytes handed to the socket and not yet written
+ *               (pending_write): the client has not read them.
+ *   reserved    bytes the requests in flight hold or will queue: each
+ *               request's message, and the size of its reply as soon as
+ *               it is known (pb_conn_reserve).  Past
+ *               max_queued_bytes_per_connection of queued + reserved
+ *               bytes the connection stops reading, so a client that
+ *               never reads costs about that much, whatever its in-flight
+ *               limit; one request is always let in, however large.
+ *   late        a message read after SIGTERM's drain budget (drain_left,
+ *               set by pb_conns_stop) ran out: on_message answers it
+ *               shutting_down.
+ *   last read   the end of a SIGTERM drain: the socket is shut for
+ *               reading (the client's later writes fail with EPIPE), the
+ *               bytes already in it are read and each request there is
+ *               answered shutting_down, then the connection closes.
+ *   passed fd   a file descriptor the client sent as SCM_RIGHTS ancillary
+ *               data (register_buffer's memfd).  It belongs to the last
+ *               message that begins in the bytes read together with it:
+ *               the request whose sendmsg carried it, when a client sends
+ *               one request per sendmsg as ours do.  Until that message
+ *               is complete it waits in fds[] (at most PB_CONN_MAX_FDS;
+ *               more are closed); the fds a message's handler did not
+ *               take (pb_conn_take_fd) are closed after it.
+ *   buffers     the shared-memory buffers this connection registered
+ *               (buffer.h): its own, unusable from any other connection,
+ *               dropped when it closes.
+ *
+ * Ownership: the connection set (pb_conns_t, embedded in the server) owns
+ * its connections; conn.c allocates each one at accept and frees it when
+ * its handle's close callback has run and no reference is left (refs
+ * counts the handle, each write and each holder of pb_conn_ref: a request
+ * in flight).  Replies sent to a closed connection are dropped.  A
+ * connection owns the passed fds it holds (closed when it closes), its
+ * buffer table (whose references it drops when it closes; requests in
+ * flight keep their mappings until they end), and its read buffer and
+ * reply batch.  Its tape list belongs to the tape lifecycle (tape.h): the
+ * connection only carries it, and on_close must empty it.  Only conn.c
+ * writes the other fields; the layers above use the functions below.
+ * Everything here runs on the loop thread. */
+#ifndef PB_CONN_H
+#define PB_CONN_H
+
+#include <msgpack.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <uv.h>
+
+#include "../proto/codec.h"
+#include "../proto/wire.h"
+#include "buffer.h"
+#include "config.h"
+#include "tape.h"
+
+/* Passed fds a connection holds for messages not yet complete. */
+#define PB_CONN_MAX_FDS 16
+
+typedef struct pb_conn pb_conn_t;
+
+/* What the layer above hears.  data is the set's cb_data. */
+typedef struct pb_conn_cbs {
+    /* One framed message, held in msg (take a reference to keep it). */
+    void (*on_message)(pb_conn_t *c, pb_storage_t *msg, bool late, void *data);
+    /* c is closing: drop what refers to it (its tapes). */
+    void (*on_close)(pb_conn_t *c, void *data);
+    /* A connection closed or a write completed. */
+    void (*on_idle)(void *data);
+    void *data;
+} pb_conn_cbs_t;
+
+/* The server's connections. */
+typedef struct pb_conns {
+    uv_loop_t *loop;
+    const pb_config_t *cfg;        /* the server's, changed in place by a reload */
+    pb_conn_cbs_t cb;
+    pb_conn_t *head;               /* open connections */
+    pb_conn_t *dirty;              /* those with replies to flush */
+    size_t count;
+    uint64_t next_id;
+    bool stopping;                 /* SIGTERM: messages past drain_left are late */
+} pb_conns_t;
+
+struct pb_conn {
+    uv_pipe_t pipe;
+    pb_conns_t *set;
+    struct pb_conn *prev, *next;   /* set's list */
+    struct pb_conn *dnext;         /* set's list of conns with output */
+    int refs;
+    bool closing;
+    bool paused;                   /* reading stopped for back-pressure */
+    bool close_after_flush;        /* a parse error was answered */
+    bool shut_sent;                /* uv_shutdown issued for that */
+    bool dirty;
+    bool processing;               /* inside pb_conn_process */
+    bool last_read;                /* socket shut for reading; refusing the rest */
+    uint64_t id;
+    uid_t uid;
+    pid_t pid;
+    char *buf;                     /* unprocessed bytes at buf[start, len) */
+    size_t cap, start, len;
+    pb_scan_t scan;
+    size_t inflight;
+    size_t reserved;               /* see the glossary; pb_conn_request_done releases */
+    size_t held_max;               /* most queued + reserved bytes seen */
+    pb_tape_list_t tapes;          /* tape.c's: the tapes created here and still held */
+    msgpack_sbuffer obuf;          /* small replies waiting for the flush */
+    msgpack_zone zone;             /* objects of the message being served */
+    size_t pending_write;          /* bytes handed to uv_write, not done */
+    size_t drain_left;             /* on SIGTERM: bytes still served normally */
+    /* Passed fds (see the glossary).  Stream offsets count every byte
+     * read from the socket since it was accepted. */
+    uint64_t rx;                   /* bytes read so far */
+    uint64_t taken;                /* stream offset of buf[start] */
+    struct pb_conn_fd {
+        int fd;
+        uint64_t from, to;         /* the bytes read with it: [from, to) */
+    } fds[PB_CONN_MAX_FDS];
+    int nfds;
+    int msg_fds[PB_CONN_MAX_FDS];  /* the fds of the message being served; */
+    int msg_nfds;                  /* one taken is -1 */
+    pb_buffers_t buffers;
+};
+
+/* ---- the set (the server's side) ----------------------------------------- */
+
+void pb_conns_init(pb_conns_t *s, uv_loop_t *loop, const pb_config_t *cfg, pb_conn_cbs_t cb);
+/* Accept one client from listener. */
+void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener);
+/* SIGTERM: what each client sent before now (buffered here or waiting in
+ * its socket) is served normally; what comes later is late. */
+void pb_conns_stop(pb_conns_t *s);
+/* Every message sent before the stop has been read. */
+bool pb_conns_drained(const pb_conns_t *s);
+/* Every reply is written (a closing connection's do not count). */
+bool pb_conns_written(const pb_conns_t *s);
+/* The last read (glossary) on every connection. */
+void pb_conns_last_read(pb_conns_t *s);
+void pb_conns_close_all(pb_conns_t *s);
+/* Write the replies batched in this loop iteration. */
+void pb_conns_flush(pb_conns_t *s);
+
+/* ---- one connection (the message layer's side) --------------------------- */
+
+/* Queue a reply; takes what o owns (o is emptied). */
+void pb_conn_send(pb_conn_t *c, pb_out_t *o);
+void pb_conn_close(pb_conn_t *c);
+void pb_conn_unref(pb_conn_t *c);
+/* A request of c finished and gave back the reserved bytes it held:
+ * resume reading if it was paused. */
+void pb_conn_request_done(pb_conn_t *c, size_t reserved);
+
+/* The accessors the layers above use instead of the fields. */
+static inline size_t pb_conns_count(const pb_conns_t *s) { return s->count; }
+static inline void pb_conn_ref(pb_conn_t *c) { c->refs++; }
+/* A request of c begins: it counts as in flight until
+ * pb_conn_request_done. */
+static inline void pb_conn_request_begin(pb_conn_t *c) { c->inflight++; }
+/* Count bytes a request holds or will queue against c's cap. */
+static inline void pb_conn_reserve(pb_conn_t *c, size_t bytes) { c->reserved += bytes; }
+static inline bool pb_conn_closing(const pb_conn_t *c) { return c->closing; }
+static inline uint64_t pb_conn_id(const pb_conn_t *c) { return c->id; }
+static inline uid_t pb_conn_uid(const pb_conn_t *c) { return c->uid; }
+static inline pid_t pb_conn_pid(const pb_conn_t *c) { return c->pid; }
+/* The zone the message being served is unpacked into (cleared after). */
+static inline msgpack_zone *pb_conn_zone(pb_conn_t *c) { return &c->zone; }
+static inline pb_buffers_t *pb_conn_buffers(pb_conn_t *c) { return &c->buffers; }
+static inline pb_tape_list_t *pb_conn_tapes(pb_conn_t *c) { return &c->tapes; }
+/* How many fds came with the message being served. */
+static inline int pb_conn_msg_nfds(const pb_conn_t *c) { return c->msg_nfds; }
+/* Take fd i of the message being served: the caller closes it. */
+static inline int pb_conn_take_fd(pb_conn_t *c, int i)
+{
+    int fd = c->msg_fds[i];
+    c->msg_fds[i] = -1;
+    return fd;
+}
+
+#endif
