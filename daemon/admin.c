@@ -1,6 +1,10 @@
-/* The admin and buffer methods (methods.h): hello, ops, stats, drain,
- * shutdown, register_buffer and unregister_buffer.  All answer at once, on
+/* The admin and buffer methods (methods.h): hello, ops, stats, metrics,
+ * drain, shutdown, register_buffer and unregister_buffer.  All answer at once, on
  * the loop thread. */
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "../kernels/par.h"
 #include "buffer.h"
 #include "log.h"
 #include "methods.h"
@@ -27,10 +31,108 @@ void pb__m_stats(pb_req_t *r, const msgpack_object *p, pb_storage_t *m)
     m_simple(r, p, pb__enc_stats);
 }
 
-static bool admin(const pb_req_t *r)
+/* ---- metrics ---------------------------------------------------------- */
+
+typedef struct scopes {
+    size_t tapes[2], bytes[2]; /* [peer_scope] */
+} scopes_t;
+
+static void count_scope(pb_tape_t *t, void *ctx)
 {
-    uid_t uid = pb_conn_uid(r->conn);
-    return uid == 0 || uid == r->rpc->self_uid;
+    scopes_t *s = ctx;
+    s->tapes[t->peer_scope]++;
+    s->bytes[t->peer_scope] += t->bytes;
+}
+
+static void gauge(pb_prom_t *p, const char *name, const char *type, const char *help, double v)
+{
+    pb_prom_family(p, name, type, help);
+    pb_prom_sample(p, name, NULL, v);
+}
+
+static void write_gauges(pb_req_t *r, pb_prom_t *p)
+{
+    pb_rpc_t *rpc = r->rpc;
+    gauge(p, "pullbackd_requests_in_flight", "gauge", "Requests being served, this scrape not counted.",
+          (double)(rpc->requests_in_flight - 1));
+    scopes_t sc = {{0, 0}, {0, 0}};
+    pb_tapes_foreach(&rpc->tapes, count_scope, &sc);
+    static const char *const scope_names[2] = {"connection", "peer"};
+    pb_prom_family(p, "pullbackd_tapes", "gauge", "Tapes held, by device and scope.");
+    for (int k = 0; k < 2; k++)
+        pb_prom_sample(p, "pullbackd_tapes",
+                       (pb_label_t[]){{"device", "cpu"}, {"scope", scope_names[k]}, {NULL, NULL}},
+                       (double)sc.tapes[k]);
+    pb_prom_family(p, "pullbackd_tape_bytes", "gauge", "Bytes of tensor data the tapes hold, by device and scope.");
+    for (int k = 0; k < 2; k++)
+        pb_prom_sample(p, "pullbackd_tape_bytes",
+                       (pb_label_t[]){{"device", "cpu"}, {"scope", scope_names[k]}, {NULL, NULL}},
+                       (double)sc.bytes[k]);
+    gauge(p, "pullbackd_tape_bytes_limit", "gauge", "max_tape_bytes: the cap on all tapes' bytes.",
+          (double)rpc->cfg->max_tape_bytes);
+    size_t nbuf, buf_bytes;
+    pb_shm_totals(&nbuf, &buf_bytes);
+    gauge(p, "pullbackd_buffers", "gauge", "Shared-memory buffers mapped.", (double)nbuf);
+    gauge(p, "pullbackd_buffer_bytes", "gauge", "Registered bytes of the shared-memory buffers mapped.",
+          (double)buf_bytes);
+    gauge(p, "pullbackd_connections", "gauge", "Open client connections.", (double)pb_conns_count(rpc->conns));
+    gauge(p, "pullbackd_buffered_bytes", "gauge",
+          "Bytes held for connections: unread input, requests' messages and expected replies, queued replies.",
+          (double)pb_conns_buffered(rpc->conns));
+    gauge(p, "pullbackd_workers", "gauge", "Worker threads.", (double)rpc->pool.nthreads);
+    gauge(p, "pullbackd_worker_busy_seconds_total", "counter",
+          "Time the workers spent on requests (their own, and pieces of others').",
+          (double)pb_pool_busy_ns(&rpc->pool) / 1e9);
+    unsigned long long split, helped;
+    pb_par_counts(&split, &helped);
+    gauge(p, "pullbackd_split_tasks_total", "counter", "Kernel steps split across idle workers.", (double)split);
+    gauge(p, "pullbackd_split_pieces_helped_total", "counter", "Pieces of split steps that idle workers ran.",
+          (double)helped);
+    gauge(p, "pullbackd_requests_served_total", "counter", "Requests answered since start.",
+          (double)rpc->requests_served);
+    gauge(p, "pullbackd_uptime_seconds", "gauge", "Seconds since the daemon started.",
+          (double)(uv_now(rpc->loop) - rpc->start_ms) / 1000.0);
+    if (!pb__req_admin(r))
+        return; /* per-uid figures are for admins */
+    static const char *const help[2] = {"Tapes held by each uid (admins only).",
+                                        "Bytes of the tapes held by each uid (admins only)."};
+    static const char *const name[2] = {"pullbackd_peer_tapes", "pullbackd_peer_tape_bytes"};
+    for (int k = 0; k < 2; k++) {
+        pb_prom_family(p, name[k], "gauge", help[k]);
+        for (size_t i = 0; i < rpc->tapes.npeers; i++) {
+            const pb_peer_acct_t *a = &rpc->tapes.peers[i];
+            if (a->tapes == 0)
+                continue;
+            char uid[16];
+            snprintf(uid, sizeof uid, "%u", (unsigned)a->uid);
+            pb_prom_sample(p, name[k], (pb_label_t[]){{"uid", uid}, {NULL, NULL}},
+                           (double)(k ? a->bytes : a->tapes));
+        }
+    }
+}
+
+void pb__m_metrics(pb_req_t *r, const msgpack_object *params, pb_storage_t *m)
+{
+    (void)m;
+    static const char *const none[] = {NULL};
+    int rc = pb_request_check_keys(params, none, &r->err);
+    if (rc)
+        return pb__req_fail(r, rc);
+    pb_rpc_sweep(r->rpc);
+    pb_prom_t p;
+    pb_prom_init(&p);
+    pb_metrics_write(&r->rpc->metrics, &p);
+    write_gauges(r, &p);
+    if (p.failed) {
+        pb_prom_free(&p);
+        return pb__req_fail(r, PB_ENOMEM);
+    }
+    r->kind = PB_REQ_TEXT;
+    r->u.text.ptr = p.buf;
+    r->u.text.len = p.len;
+    pb__req_reserve(r, p.len);
+    r->encode = pb__enc_metrics;
+    pb__req_finish(r);
 }
 
 static void m_admin(pb_req_t *r, const msgpack_object *params, bool shutdown)
@@ -39,7 +141,7 @@ static void m_admin(pb_req_t *r, const msgpack_object *params, bool shutdown)
     int rc = pb_request_check_keys(params, none, &r->err);
     if (rc)
         return pb__req_fail(r, rc);
-    if (!admin(r)) {
+    if (!pb__req_admin(r)) {
         pb_err_set(&r->err, PB_EPERMISSION_DENIED, NULL, "%s is allowed only for uid 0 and the daemon's uid %u",
                    shutdown ? "shutdown" : "drain", (unsigned)r->rpc->self_uid);
         pb_log(PB_LOG_WARNING, "connection %llu: %s refused for uid %u, pid %d (permission_denied)",

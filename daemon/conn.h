@@ -149,6 +149,9 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener);
 void pb_conns_stop(pb_conns_t *s);
 /* Every message sent before the stop has been read. */
 bool pb_conns_drained(const pb_conns_t *s);
+/* Bytes held for all connections: unprocessed input, what their requests
+ * hold or will queue (reserved), replies not yet written. */
+size_t pb_conns_buffered(const pb_conns_t *s);
 /* Every reply is written (a closing connection's do not count). */
 bool pb_conns_written(const pb_conns_t *s);
 /* The last read (glossary) on every connection. */

@@ -15,7 +15,7 @@ typedef void pb_method_fn(pb_req_t *r, const msgpack_object *params, pb_storage_
 /* calls.c */
 pb_method_fn pb__m_forward, pb__m_augmented, pb__m_check, pb__m_reverse, pb__m_release;
 /* admin.c */
-pb_method_fn pb__m_hello, pb__m_ops, pb__m_stats, pb__m_drain, pb__m_shutdown, pb__m_register,
+pb_method_fn pb__m_hello, pb__m_ops, pb__m_stats, pb__m_metrics, pb__m_drain, pb__m_shutdown, pb__m_register,
     pb__m_unregister;
 
 #endif

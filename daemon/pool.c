@@ -1,6 +1,10 @@
 #include "pool.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
+
+#include "../kernels/par.h"
 
 #include "../proto/errors.h"
 #include "log.h"
@@ -26,6 +30,31 @@ static pb_job_t *q_pop(pb_queue_t *q)
     return j;
 }
 
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* kernels/par.c's backend: the workers with no job lend themselves. */
+static int par_idle(void *arg)
+{
+    pb_pool_t *p = arg;
+    pthread_mutex_lock(&p->lock);
+    int idle = p->nthreads - p->busy - p->helping;
+    pthread_mutex_unlock(&p->lock);
+    return idle > 0 ? idle : 0;
+}
+
+static void par_wake(void *arg)
+{
+    pb_pool_t *p = arg;
+    pthread_mutex_lock(&p->lock);
+    pthread_cond_broadcast(&p->cond);
+    pthread_mutex_unlock(&p->lock);
+}
+
 static void *worker_main(void *arg)
 {
     pb_pool_t *p = arg;
@@ -39,12 +68,25 @@ static void *worker_main(void *arg)
         if (j == NULL) {
             if (p->stopping)
                 break;
+            if (pb_par_pending()) {
+                /* Idle: help another worker's request (kernels/par.h). */
+                p->helping++;
+                pthread_mutex_unlock(&p->lock);
+                uint64_t t0 = now_ns();
+                pb_par_help();
+                atomic_fetch_add(&p->busy_ns, now_ns() - t0);
+                pthread_mutex_lock(&p->lock);
+                p->helping--;
+                continue;
+            }
             pthread_cond_wait(&p->cond, &p->lock);
             continue;
         }
         p->busy++;
         pthread_mutex_unlock(&p->lock);
+        uint64_t t0 = now_ns();
         j->run(j);
+        atomic_fetch_add(&p->busy_ns, now_ns() - t0);
         pthread_mutex_lock(&p->lock);
         p->busy--;
         q_push(&p->finished, j);
@@ -108,6 +150,7 @@ int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n)
     while (p->started < p->nthreads)
         pthread_cond_wait(&p->cond, &p->lock);
     pthread_mutex_unlock(&p->lock);
+    pb_par_set_backend(&(pb_par_backend_t){par_idle, par_wake, p});
     return 0;
 
 fail:
@@ -129,8 +172,14 @@ void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job)
     pthread_mutex_unlock(&p->lock);
 }
 
+uint64_t pb_pool_busy_ns(pb_pool_t *p)
+{
+    return atomic_load(&p->busy_ns);
+}
+
 void pb_pool_stop(pb_pool_t *p)
 {
+    pb_par_set_backend(NULL);
     pthread_mutex_lock(&p->lock);
     p->stopping = true;
     pthread_cond_broadcast(&p->cond);

@@ -8,6 +8,11 @@
  * it) and nothing of a job: the job (embedded in its request) must live until
  * done has run.
  *
+ * Idle workers lend themselves to kernels/par.c: while a worker has no
+ * job, it runs pieces of a running job that split itself (a large GEMM),
+ * so a lone request uses the idle cores and a loaded pool runs every
+ * request on its own worker alone.
+ *
  * Devices: one queue per device (CPU today; each GPU gets its own queue
  * and workers that hold that GPU's handles). */
 #ifndef PB_POOL_H
@@ -15,6 +20,7 @@
 
 #include <pthread.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <uv.h>
 
 #include "../kernels/tensor.h"
@@ -40,6 +46,8 @@ typedef struct pb_pool {
     int nthreads;
     bool stopping;
     int busy;             /* jobs taken by workers and not finished */
+    int helping;          /* idle workers running another job's pieces */
+    _Atomic uint64_t busy_ns; /* time workers spent on jobs and pieces */
     int started;          /* workers that reached their loop */
 } pb_pool_t;
 
@@ -49,6 +57,8 @@ typedef struct pb_pool {
  * run. */
 int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n);
 void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job);
+/* Nanoseconds workers have spent running jobs (and helping, kernels/par.h). */
+uint64_t pb_pool_busy_ns(pb_pool_t *p);
 /* Stop the workers (after the jobs they run) and close the async handle;
  * the loop must run once more for the close callback. */
 void pb_pool_stop(pb_pool_t *p);

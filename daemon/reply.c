@@ -148,9 +148,12 @@ void pb__enc_stats(pb_req_t *r, pb_out_t *o)
 {
     pb_rpc_t *s = r->rpc;
     const pb_peer_acct_t *me = pb_tapes_peer(&s->tapes, pb_conn_uid(r->conn));
+    /* Every uid's figures for admins; the caller's own for the others. */
+    bool all = pb__req_admin(r);
+    uid_t uid = pb_conn_uid(r->conn);
     size_t npeers = 0;
     for (size_t i = 0; i < s->tapes.npeers; i++)
-        npeers += s->tapes.peers[i].tapes > 0;
+        npeers += s->tapes.peers[i].tapes > 0 && (all || s->tapes.peers[i].uid == uid);
     size_t nbuf, buf_bytes;
     pb_shm_totals(&nbuf, &buf_bytes);
     msgpack_pack_map(&o->pk, 12);
@@ -186,7 +189,7 @@ void pb__enc_stats(pb_req_t *r, pb_out_t *o)
     msgpack_pack_array(&o->pk, npeers);
     for (size_t i = 0; i < s->tapes.npeers; i++) {
         const pb_peer_acct_t *p = &s->tapes.peers[i];
-        if (p->tapes == 0)
+        if (p->tapes == 0 || !(all || p->uid == uid))
             continue;
         msgpack_pack_map(&o->pk, 3);
         pb_out_str(o, "uid");
@@ -196,6 +199,15 @@ void pb__enc_stats(pb_req_t *r, pb_out_t *o)
         pb_out_str(o, "tape_bytes");
         msgpack_pack_uint64(&o->pk, p->bytes);
     }
+}
+
+void pb__enc_metrics(pb_req_t *r, pb_out_t *o)
+{
+    msgpack_pack_map(&o->pk, 2);
+    pb_out_str(o, "text");
+    msgpack_pack_str_with_body(&o->pk, r->u.text.ptr, r->u.text.len);
+    pb_out_str(o, "content_type");
+    pb_out_str(o, "text/plain; version=0.0.4; charset=utf-8");
 }
 
 void pb__enc_admin(pb_req_t *r, pb_out_t *o)

@@ -17,6 +17,7 @@ void pb__enc_unregister(pb_req_t *r, pb_out_t *o);
 void pb__enc_hello(pb_req_t *r, pb_out_t *o);
 void pb__enc_ops(pb_req_t *r, pb_out_t *o);
 void pb__enc_stats(pb_req_t *r, pb_out_t *o);
+void pb__enc_metrics(pb_req_t *r, pb_out_t *o);
 void pb__enc_admin(pb_req_t *r, pb_out_t *o);
 
 #endif

@@ -62,6 +62,7 @@ typedef enum pb_req_kind {
     PB_REQ_CALL,    /* forward, augmented_forward, check: u.call */
     PB_REQ_REVERSE, /* reverse: u.rev */
     PB_REQ_RELEASE, /* release: u.rel */
+    PB_REQ_TEXT,    /* metrics: u.text */
 } pb_req_kind_t;
 
 struct pb_req {
@@ -72,6 +73,8 @@ struct pb_req {
     struct pb_conn *conn;          /* a reference, dropped when answered */
     uint32_t msgid;
     bool notify;
+    int method;                    /* metrics slot (rpc.h's method_names) */
+    uint64_t t0_ns;                /* arrival (uv_hrtime), for the latency */
     pb_req_kind_t kind;
     void (*encode)(pb_req_t *, pb_out_t *); /* the result of a successful request */
     int rc;
@@ -117,6 +120,11 @@ struct pb_req {
         } rel;
         /* register_buffer: the new id */
         uint64_t buffer;
+        /* metrics: the exposition text (malloc, the request's) */
+        struct {
+            char *ptr;
+            size_t len;
+        } text;
     } u;
 };
 typedef struct pb_req_call pb_req_call_t;

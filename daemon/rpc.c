@@ -10,6 +10,28 @@
 #include "methods.h"
 #include "request.h"
 
+/* ---- the method table ----------------------------------------------------- */
+
+/* A new method is a row here and a handler in calls.c or admin.c. */
+static const struct method {
+    const char *name;
+    pb_method_fn *fn;
+} methods[] = {
+    {"hello", pb__m_hello},
+    {"ops", pb__m_ops},
+    {"forward", pb__m_forward},
+    {"augmented_forward", pb__m_augmented},
+    {"reverse", pb__m_reverse},
+    {"release", pb__m_release},
+    {"check", pb__m_check},
+    {"stats", pb__m_stats},
+    {"metrics", pb__m_metrics},
+    {"drain", pb__m_drain},
+    {"shutdown", pb__m_shutdown},
+    {"register_buffer", pb__m_register},
+    {"unregister_buffer", pb__m_unregister},
+};
+
 /* ---- setup ---------------------------------------------------------------- */
 
 int pb_rpc_init(pb_rpc_t *r, uv_loop_t *loop, const pb_config_t *cfg, const pb_conns_t *conns,
@@ -23,6 +45,10 @@ int pb_rpc_init(pb_rpc_t *r, uv_loop_t *loop, const pb_config_t *cfg, const pb_c
         return rc;
     if ((rc = pb_pool_init(&r->pool, loop, cfg->workers)))
         goto fail;
+    int n = 0;
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0] && n < PB_METRICS_MAX_METHODS; i++)
+        r->method_names[n++] = methods[i].name;
+    pb_metrics_init(&r->metrics, r->method_names, n);
     return 0;
 
 fail:
@@ -74,6 +100,9 @@ static void req_free(pb_req_t *r)
         unref_all(r->u.rev.cot, PB_MAX_IO);
         unref_all(r->u.rev.grad, PB_MAX_IO + 2);
         break;
+    case PB_REQ_TEXT:
+        free(r->u.text.ptr);
+        break;
     case PB_REQ_SIMPLE:
     case PB_REQ_RELEASE:
         break;
@@ -105,6 +134,7 @@ void pb__req_finish(pb_req_t *r)
                (unsigned long long)pb_conn_id(c), r->notify ? "notification" : "msgid", r->msgid,
                pb_strerror_code(r->rc), r->err.message);
     }
+    pb_metrics_observe(&rpc->metrics, r->method, r->rc, uv_hrtime() - r->t0_ns);
     size_t reserved = r->conn_reserved;
     req_free(r);
     rpc->requests_in_flight--;
@@ -120,6 +150,12 @@ void pb__req_fail(pb_req_t *r, int rc)
         pb_err_set(&r->err, rc, NULL, "%s", pb_strerror(rc));
     r->rc = rc;
     pb__req_finish(r);
+}
+
+bool pb__req_admin(const pb_req_t *r)
+{
+    uid_t uid = pb_conn_uid(r->conn);
+    return uid == 0 || uid == r->rpc->self_uid;
 }
 
 /* conn.c stops reading past a cap of queued and reserved bytes, so
@@ -140,27 +176,6 @@ void pb__req_submit(pb_req_t *r, double cost, pb_device_t dev)
     }
 }
 
-/* ---- the method table ----------------------------------------------------- */
-
-/* A new method is a row here and a handler in calls.c or admin.c. */
-static const struct method {
-    const char *name;
-    pb_method_fn *fn;
-} methods[] = {
-    {"hello", pb__m_hello},
-    {"ops", pb__m_ops},
-    {"forward", pb__m_forward},
-    {"augmented_forward", pb__m_augmented},
-    {"reverse", pb__m_reverse},
-    {"release", pb__m_release},
-    {"check", pb__m_check},
-    {"stats", pb__m_stats},
-    {"drain", pb__m_drain},
-    {"shutdown", pb__m_shutdown},
-    {"register_buffer", pb__m_register},
-    {"unregister_buffer", pb__m_unregister},
-};
-
 /* ---- envelope ----------------------------------------------------------- */
 
 static void reply_early(pb_rpc_t *rpc, pb_conn_t *c, uint32_t msgid, int code, const char *fmt, const char *detail)
@@ -172,6 +187,7 @@ static void reply_early(pb_rpc_t *rpc, pb_conn_t *c, uint32_t msgid, int code, c
     pb_out_error_response(&o, msgid, &err);
     pb_conn_send(c, &o);
     rpc->requests_served++;
+    pb_metrics_observe(&rpc->metrics, rpc->metrics.nmethods, code, 0); /* no method: "other" */
 }
 
 void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
@@ -228,6 +244,7 @@ void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
     }
     r->conn = c;
     r->rpc = rpc;
+    r->t0_ns = uv_hrtime();
     r->msgid = (uint32_t)msgid;
     r->notify = notify;
     pb_conn_ref(c);
@@ -236,15 +253,16 @@ void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
     /* The request keeps its message (its tensors point into it) until
      * it is answered. */
     pb__req_reserve(r, msg->size);
+    const struct method *found = NULL;
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0] && !found; i++)
+        if (pb__obj_is_str(meth, methods[i].name))
+            found = &methods[i];
+    r->method = found ? (int)(found - methods) : rpc->metrics.nmethods;
     if (late) {
         pb_err_set(&r->err, PB_ESHUTTING_DOWN, NULL, "the daemon is shutting down");
         pb__req_fail(r, PB_ESHUTTING_DOWN);
         goto out;
     }
-    const struct method *found = NULL;
-    for (size_t i = 0; i < sizeof methods / sizeof methods[0] && !found; i++)
-        if (pb__obj_is_str(meth, methods[i].name))
-            found = &methods[i];
     if (found == NULL) {
         pb_err_set(&r->err, PB_EUNKNOWN_METHOD, "method", "unknown method '%.*s'",
                    (int)(meth->via.str.size > 40 ? 40 : meth->via.str.size), meth->via.str.ptr);

@@ -10,7 +10,8 @@
  *   method    a row of the method table: a name and its handler.  The
  *             handlers live in calls.c (forward, augmented_forward,
  *             check, reverse, release) and admin.c (hello, ops, stats,
- *             drain, shutdown, register_buffer, unregister_buffer).
+ *             metrics, drain, shutdown, register_buffer,
+ *             unregister_buffer).
  *   waiter    a request touching a busy tape, queued on that tape
  *             (tape.h) so that requests on one tape run in the order they
  *             were sent.
@@ -33,6 +34,7 @@
 #include <uv.h>
 
 #include "config.h"
+#include "metrics.h"
 #include "conn.h"
 #include "pool.h"
 #include "tape.h"
@@ -56,6 +58,8 @@ typedef struct pb_rpc {
     pb_pool_t pool;
     pb_tapes_t tapes;
     uint64_t requests_served, requests_in_flight;
+    const char *method_names[PB_METRICS_MAX_METHODS]; /* the method table's, for metrics */
+    pb_metrics_t metrics;          /* requests by method and outcome, latencies */
     uint64_t start_ms;
     uid_t self_uid;
     bool draining;                 /* admin drain: no new forward calls */
@@ -89,6 +93,9 @@ void pb__req_fail(pb_req_t *r, int rc);
 /* Count bytes that r holds or will send back against its connection
  * until r is answered (conn.h's reserved). */
 void pb__req_reserve(pb_req_t *r, size_t bytes);
+/* The caller may see every uid's figures and steer the daemon: uid 0 or
+ * the daemon's own uid. */
+bool pb__req_admin(const pb_req_t *r);
 /* Run r's job inline when it is cheap and on the CPU, else on the pool. */
 void pb__req_submit(pb_req_t *r, double cost, pb_device_t dev);
 

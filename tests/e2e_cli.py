@@ -241,6 +241,22 @@ class Running(DaemonCase):
             for t in tapes:
                 t.release()
 
+    def test_idle_workers_help(self):
+        # One large request alone on a 2-worker daemon: its GEMM is split
+        # and the idle worker runs pieces of it (kernels/par.h).
+        def counts():
+            m = parse_metrics(ctl("metrics", env={"PULLBACKD_SOCKET": self.path})[1])
+            return m["pullbackd_split_tasks_total"], m["pullbackd_split_pieces_helped_total"]
+        t0, h0 = counts()
+        rng = np.random.default_rng(5)
+        A, B = rng.standard_normal((700, 700)), rng.standard_normal((700, 700))
+        with pullbackd.Client(self.path) as c:
+            C = c.forward("tensorcontract", {"A": A, "B": B}, options={"spec": "ij,jk->ik"})["C"]
+        np.testing.assert_allclose(C, A @ B, rtol=1e-12, atol=1e-10)
+        t1, h1 = counts()
+        self.assertGreaterEqual(t1 - t0, 1)
+        self.assertGreaterEqual(h1 - h0, 1)
+
     @unittest.skipUnless(os.geteuid() == 0, "needs root to run as another uid")
     def test_socket_mode_denies(self):
         # The daemon's socket is 0660 in a 0700 folder: nobody may not connect.
