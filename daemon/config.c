@@ -111,6 +111,13 @@ static const pb_setting_t keys[] = {
     {"max-queued-bytes-per-connection", PB_SET_SIZE, FIELD(max_queued_bytes_per_connection), "64M", 0, 0, true,
      "max_queued_bytes_per_connection", "N",
      "reply bytes one connection may have queued or coming\nbefore the daemon stops reading from it"},
+    {"max-buffered-bytes", PB_SET_SIZE, FIELD(max_buffered_bytes), NULL, 1 << 20, 0, true, "max_buffered_bytes",
+     "N", "bytes held for all connections (incoming messages,\nrequests' messages and replies) before reading\n"
+     "stops (default: a quarter of the memory, at least 512M)"},
+    {"max-buffered-bytes-per-uid", PB_SET_SIZE, FIELD(max_buffered_bytes_per_uid), NULL, 1 << 20, 0, true,
+     "max_buffered_bytes_per_uid", "N", "the same for one uid's connections (default: half\nof max-buffered-bytes)"},
+    {"max-connections-per-uid", PB_SET_SIZE, FIELD(max_connections_per_uid), "1024", 1, 0, true,
+     "max_connections_per_uid", "N", "open connections of one uid"},
     {"drain-timeout", PB_SET_SECONDS, FIELD(drain_timeout_s), "30", 0, 1000000000, true, NULL, "S",
      "seconds to finish in-flight work on SIGTERM"},
     {"log-level", PB_SET_LOG, FIELD(log_level), "info", 0, 0, true, NULL, "LEVEL",
@@ -141,6 +148,13 @@ static void defaults(pb_config_t *c)
     }
     long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
     c->workers = ncpu > 0 ? (int)ncpu : 1;
+    /* Buffering caps from the machine's memory: a quarter of it for all
+     * connections (never under 512M, so that the default 256M message and
+     * its reply fit), half of that per uid. */
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    size_t mem = pages > 0 && psz > 0 ? (size_t)pages * (size_t)psz : 0;
+    c->max_buffered_bytes = mem / 4 > ((size_t)512 << 20) ? mem / 4 : (size_t)512 << 20;
+    c->max_buffered_bytes_per_uid = c->max_buffered_bytes / 2;
 }
 
 int pb_config_limits(const pb_config_t *c, pb_config_limit_t *out)

@@ -46,6 +46,9 @@ typedef struct pb_config {
     size_t max_buffers_per_connection;       /* shared-memory buffers registered at once */
     size_t max_buffer_bytes_per_connection;  /* their registered sizes summed (address space mapped) */
     size_t max_queued_bytes_per_connection;  /* queued + reserved reply bytes before reading stops (server.h) */
+    size_t max_buffered_bytes;               /* all connections' held bytes (conn.h) before reading stops */
+    size_t max_buffered_bytes_per_uid;       /* the same, per uid */
+    size_t max_connections_per_uid;          /* open connections of one uid */
     double drain_timeout_s;
     int log_level;
     /* Where the settings came from: the file that was read ("" when the

@@ -3,6 +3,8 @@
 #define _GNU_SOURCE /* struct ucred */
 #include <errno.h>
 #include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #ifdef __GLIBC__
 #include <malloc.h>
@@ -36,6 +38,7 @@ void pb_conn_unref(pb_conn_t *c)
     if (--c->refs > 0)
         return;
     bool trim = c->held_max >= TRIM_AFTER(c);
+    pb__conns_leave(c->set, c);
     pb_buffers_destroy(&c->buffers); /* emptied at close already; this frees the table */
     free(c->buf);
     msgpack_sbuffer_destroy(&c->obuf);
@@ -58,6 +61,13 @@ static void note_held(pb_conn_t *c)
     size_t held = c->pending_write + c->reserved;
     if (held > c->held_max)
         c->held_max = held;
+    pb__conn_account(c);
+}
+
+void pb_conn_reserve(pb_conn_t *c, size_t bytes)
+{
+    c->reserved += bytes;
+    pb__conn_account(c);
 }
 
 static void unlink_conn(pb_conn_t *c)
@@ -89,6 +99,7 @@ void pb_conn_close(pb_conn_t *c)
     pb_log(PB_LOG_INFO, "connection %llu closed (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
            (int)c->pid);
     c->set->cb.on_close(c, c->set->cb.data);
+    pb__conns_closed(c->set, c);
     /* Its buffers are unmapped now, or when the last request in flight
      * that uses one ends. */
     pb_buffers_destroy(&c->buffers);
@@ -100,43 +111,64 @@ void pb_conn_close(pb_conn_t *c)
     c->set->cb.on_idle(c->set->cb.data);
 }
 
+/* Room enough to read into: a read's worth, or the rest of a message whose
+ * length a declared payload told (need, from the scan: no more). */
+static bool room_enough(const pb_conn_t *c, size_t need)
+{
+    return c->cap - c->len >= READ_CHUNK || (need && c->start + need <= c->cap && c->cap > c->len);
+}
+
 static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
 {
     (void)hint;
     pb_conn_t *c = h->data;
     if (c->start > 0 && c->start == c->len)
         c->start = c->len = 0;
-    if (c->cap - c->len < READ_CHUNK) {
-        if (c->start > 0) {
-            memmove(c->buf, c->buf + c->start, c->len - c->start);
-            c->len -= c->start;
-            c->start = 0;
-        }
-        if (c->cap - c->len < READ_CHUNK) {
-            /* The scan refuses a message past the limit before more is
-             * read, so the buffer never needs more than one message plus
-             * a read. */
-            size_t most = c->set->cfg->max_message_bytes + 2 * READ_CHUNK;
-            size_t ncap = c->cap ? c->cap * 2 : READ_CHUNK * 2;
-            while (ncap - c->len < READ_CHUNK)
-                ncap *= 2;
-            /* most can lie below len when a reload lowered the limit
-             * under a message being read: the scan refuses it then. */
-            if (ncap > most && most >= c->len + READ_CHUNK)
-                ncap = most;
-            char *nb = realloc(c->buf, ncap);
-            if (nb == NULL) {
-                b->base = NULL;
-                b->len = 0;
-                return;
-            }
-            c->buf = nb;
-            c->cap = ncap;
-        }
+    /* A declared payload not all read yet tells how long the message is at
+     * least: the buffer grows to that once instead of doubling towards it. */
+    size_t need = c->scan.need > c->len - c->start ? c->scan.need : 0;
+    if (!room_enough(c, need) && c->start > 0) {
+        memmove(c->buf, c->buf + c->start, c->len - c->start);
+        c->len -= c->start;
+        c->start = 0;
     }
-    size_t room = c->cap - c->len;
+    if (!room_enough(c, need)) {
+        /* The scan refuses a message past the limit before more is read,
+         * so the buffer never needs more than one message plus a read. */
+        size_t most = c->set->cfg->max_message_bytes + 2 * READ_CHUNK;
+        size_t ncap = c->cap ? c->cap * 2 : READ_CHUNK * 2;
+        while (ncap - c->len < READ_CHUNK)
+            ncap *= 2;
+        if (need)
+            ncap = need + READ_CHUNK; /* need > len: a read's room too */
+        /* most can lie below len when a reload lowered the limit under a
+         * message being read: the scan refuses it then. */
+        if (ncap > most && most >= c->len + READ_CHUNK)
+            ncap = most;
+        /* Past the buffering caps (glossary: starved) the buffer keeps its
+         * size; the first two chunks are every connection's due.  Read
+         * into what room is left, or starve (on_read hears UV_ENOBUFS). */
+        if (c->cap >= 2 * READ_CHUNK && ncap > c->cap && !pb__conn_may_grow(c, ncap - c->cap)) {
+            if (c->cap > c->len)
+                goto room;
+            c->want_memory = true;
+            b->base = NULL;
+            b->len = 0;
+            return;
+        }
+        char *nb = realloc(c->buf, ncap);
+        if (nb == NULL) {
+            b->base = NULL;
+            b->len = 0;
+            return;
+        }
+        c->buf = nb;
+        c->cap = ncap;
+        pb__conn_account(c);
+    }
+room:
     b->base = c->buf + c->len;
-    b->len = room;
+    b->len = c->cap - c->len;
 }
 
 /* The storage of the message at buf[start, start + n): the buffer itself
@@ -275,18 +307,52 @@ static void release_msg_fds(pb_conn_t *c)
     c->msg_nfds = 0;
 }
 
+/* One error with msgid 0, then the connection closes after the flush. */
+static void answer_and_close(pb_conn_t *c, const pb_err_t *err)
+{
+    pb_out_t o;
+    pb_out_init(&o);
+    pb_out_error_response(&o, 0, err);
+    pb_conn_send(c, &o);
+    c->close_after_flush = true;
+    mark_dirty(c);
+    uv_read_stop((uv_stream_t *)&c->pipe);
+}
+
 static void parse_error(pb_conn_t *c, const char *why)
 {
     pb_err_t err;
     pb_err_set(&err, PB_EPARSE, NULL, "%s; closing the connection", why);
     pb_log(PB_LOG_NOTICE, "connection %llu: parse_error: %s", (unsigned long long)c->id, why);
-    pb_out_t o;
-    pb_out_init(&o);
-    pb_out_error_response(&o, 0, &err);
-    pb_conn_send(c, &o);
-    c->close_after_flush = true;
-    mark_dirty(c);
-    uv_read_stop((uv_stream_t *)&c->pipe);
+    answer_and_close(c, &err);
+}
+
+void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
+{
+    pb_err_t err;
+    char why[200];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    pb_err_set(&err, PB_ERESOURCE_EXHAUSTED, NULL, "%s; closing the connection", why);
+    pb_log(PB_LOG_NOTICE, "connection %llu (uid %u): resource_exhausted: %s", (unsigned long long)c->id,
+           (unsigned)c->uid, why);
+    /* Its incomplete message goes now: that memory is what others wait for. */
+    free(c->buf);
+    c->buf = NULL;
+    c->cap = c->len = c->start = 0;
+    pb_scan_reset(&c->scan);
+    c->starved = false;
+    answer_and_close(c, &err);
+    pb__conn_account(c);
+}
+
+void pb__conn_resume(pb_conn_t *c)
+{
+    c->starved = false;
+    if (!c->paused && !c->closing && !c->close_after_flush && !c->last_read)
+        uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
 }
 
 /* Counting the replies still to come, not only those queued, is what
@@ -358,6 +424,11 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
 {
     (void)b;
     pb_conn_t *c = st->data;
+    if (nread == UV_ENOBUFS && c->want_memory) {
+        c->want_memory = false;
+        pb__conn_starve(c);
+        return;
+    }
     if (nread < 0) {
         if (nread != UV_EOF)
             pb_log(PB_LOG_INFO, "connection %llu: read: %s", (unsigned long long)c->id, uv_strerror((int)nread));
@@ -379,6 +450,7 @@ void pb_conn_request_done(pb_conn_t *c, size_t reserved)
 {
     c->inflight--;
     c->reserved -= reserved;
+    pb__conn_account(c);
     if (c->paused && !c->closing)
         process(c);
 }
@@ -458,6 +530,11 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     s->count++;
     pb_log(PB_LOG_INFO, "connection %llu opened (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
            (int)c->pid);
+    if (!pb__conns_admit(s, c->uid)) {
+        pb__conn_refuse(c, "uid %u has max_connections_per_uid (%zu) connections open", (unsigned)c->uid,
+                        s->cfg->max_connections_per_uid);
+        return;
+    }
     uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
 }
 
@@ -481,6 +558,7 @@ static void on_write(uv_write_t *w, int status)
     pb_out_free(&r->out);
     msgpack_sbuffer_destroy(&r->flat);
     free(r);
+    pb__conn_account(c);
     if (status < 0 && !c->closing)
         pb_conn_close(c);
     else if (!c->closing && c->paused && !blocked(c))
@@ -572,6 +650,7 @@ void pb_conn_send(pb_conn_t *c, pb_out_t *o)
         pb_out_free(o);
         pb_out_init(o);
         mark_dirty(c);
+        pb__conn_account(c);
         return;
     }
     flush(c);

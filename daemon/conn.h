@@ -24,6 +24,18 @@
  *               bytes the connection stops reading, so a client that
  *               never reads costs about that much, whatever its in-flight
  *               limit; one request is always let in, however large.
+ *   held        what a connection costs in memory now: its read buffer
+ *               (allocated size), its reserved bytes, its queued replies
+ *               (written or batched).  The set keeps the sum over all
+ *               connections and per uid (conn_budget.c).
+ *   starved     a connection whose read buffer may not grow because the
+ *               set's held bytes are at max_buffered_bytes (or its uid's
+ *               at max_buffered_bytes_per_uid): reading stops until
+ *               memory is given back.  Smaller messages, on connections
+ *               whose buffer has room, are still read.  When nothing can
+ *               give memory back (no request in flight anywhere), the
+ *               connection holding the largest incomplete message is
+ *               answered resource_exhausted, naming the limit, and closed.
  *   late        a message read after SIGTERM's drain budget (drain_left,
  *               set by pb_conns_stop) ran out: on_message answers it
  *               shutting_down.
@@ -86,6 +98,14 @@ typedef struct pb_conn_cbs {
     void *data;
 } pb_conn_cbs_t;
 
+/* What one uid's connections hold (conn_budget.c). */
+typedef struct pb_uid_use {
+    uid_t uid;
+    size_t open;    /* connections not closed: against max_connections_per_uid */
+    size_t members; /* connections not freed: the entry lives while any is */
+    size_t held;
+} pb_uid_use_t;
+
 /* The server's connections. */
 typedef struct pb_conns {
     uv_loop_t *loop;
@@ -94,6 +114,10 @@ typedef struct pb_conns {
     pb_conn_t *head;               /* open connections */
     pb_conn_t *dirty;              /* those with replies to flush */
     size_t count;
+    size_t held;                   /* the connections' held bytes summed */
+    pb_uid_use_t *uids;            /* per uid with a connection (malloc, the set's;
+                                    * freed when the last connection goes) */
+    size_t nuids, capuids;
     uint64_t next_id;
     bool stopping;                 /* SIGTERM: messages past drain_left are late */
 } pb_conns_t;
@@ -111,6 +135,9 @@ struct pb_conn {
     bool dirty;
     bool processing;               /* inside pb_conn_process */
     bool last_read;                /* socket shut for reading; refusing the rest */
+    bool starved;                  /* reading stopped for the set's buffering cap */
+    bool want_memory;              /* alloc_cb was refused growth: starve on ENOBUFS */
+    size_t held;                   /* held bytes as last counted in the set */
     uint64_t id;
     uid_t uid;
     pid_t pid;
@@ -177,7 +204,7 @@ static inline void pb_conn_ref(pb_conn_t *c) { c->refs++; }
  * pb_conn_request_done. */
 static inline void pb_conn_request_begin(pb_conn_t *c) { c->inflight++; }
 /* Count bytes a request holds or will queue against c's cap. */
-static inline void pb_conn_reserve(pb_conn_t *c, size_t bytes) { c->reserved += bytes; }
+void pb_conn_reserve(pb_conn_t *c, size_t bytes);
 static inline bool pb_conn_closing(const pb_conn_t *c) { return c->closing; }
 static inline uint64_t pb_conn_id(const pb_conn_t *c) { return c->id; }
 static inline uid_t pb_conn_uid(const pb_conn_t *c) { return c->uid; }
@@ -195,5 +222,26 @@ static inline int pb_conn_take_fd(pb_conn_t *c, int i)
     c->msg_fds[i] = -1;
     return fd;
 }
+
+/* ---- conn_budget.c: buffering across connections (glossary: held) -------- */
+
+/* A new connection of uid (counted until pb__conns_leave): false when it
+ * is one past max_connections_per_uid, or out of memory. */
+bool pb__conns_admit(pb_conns_t *s, uid_t uid);
+/* c is closing: it no longer counts against max_connections_per_uid. */
+void pb__conns_closed(pb_conns_t *s, pb_conn_t *c);
+/* c is freed: give back its held bytes. */
+void pb__conns_leave(pb_conns_t *s, pb_conn_t *c);
+/* Count c's held bytes again; when they shrank, resume starved ones. */
+void pb__conn_account(pb_conn_t *c);
+/* May c's read buffer grow by more bytes under both caps? */
+bool pb__conn_may_grow(const pb_conn_t *c, size_t more);
+/* c's buffer may not grow: stop reading it, and when nothing can give
+ * memory back, close the holder of the largest incomplete message. */
+void pb__conn_starve(pb_conn_t *c);
+/* conn.c's: read again after starving. */
+void pb__conn_resume(pb_conn_t *c);
+/* conn.c's: answer resource_exhausted and close after the flush. */
+void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 #endif

@@ -108,8 +108,10 @@ int pb_scan_feed(pb_scan_t *s, const uint8_t *buf, size_t len, size_t limit, siz
             if (s->depth >= PB_WIRE_MAX_DEPTH)
                 return fail(s, "nesting deeper than 32");
         }
-        if (off + hdr + body > len)
+        if (off + hdr + body > len) {
+            s->need = off + hdr + (size_t)body;
             return 0;
+        }
 
         s->off = off + hdr + (size_t)body;
         s->elements++;

@@ -27,6 +27,8 @@ typedef struct pb_scan {
     size_t elements; /* elements seen so far */
     int depth;       /* containers open at off */
     uint32_t left[PB_WIRE_MAX_DEPTH]; /* elements still due in each */
+    size_t need;     /* after a 0: the message is at least this long (a
+                      * declared payload not all read yet), else 0 */
     const char *why; /* reason of the last PB_EPARSE */
 } pb_scan_t;
 
@@ -34,7 +36,8 @@ void pb_scan_reset(pb_scan_t *s);
 
 /* buf holds the first len bytes of a message (len grows between calls).
  * Returns 1 and sets *msg_len when a whole message lies in buf, 0 when
- * more bytes are needed, PB_EPARSE (with s->why) when the bytes can never
+ * more bytes are needed (s->need says how many at least, when a declared
+ * payload tells: a reader can size its buffer once), PB_EPARSE (with s->why) when the bytes can never
  * become a valid message within limit bytes. */
 int pb_scan_feed(pb_scan_t *s, const uint8_t *buf, size_t len, size_t limit, size_t *msg_len);
 

@@ -301,6 +301,12 @@ static void table_defaults(void **state)
     }
     assert_int_equal(c.max_queued_bytes_per_connection, (size_t)64 << 20);
     assert_int_equal(c.max_message_bytes, (size_t)256 << 20);
+    /* Buffering caps from the memory: a quarter, at least 512M; half per uid. */
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    size_t quarter = (size_t)pages * (size_t)psz / 4;
+    assert_int_equal(c.max_buffered_bytes, quarter > ((size_t)512 << 20) ? quarter : (size_t)512 << 20);
+    assert_int_equal(c.max_buffered_bytes_per_uid, c.max_buffered_bytes / 2);
+    assert_int_equal(c.max_connections_per_uid, 1024);
     assert_int_equal(c.socket_mode, 0660);
     assert_int_equal(c.log_level, PB_LOG_INFO);
     assert_true(c.workers >= 1);
@@ -320,8 +326,9 @@ static void limits_from_table(void **state)
     static const char *const want[] = {"max_message_bytes", "max_tape_bytes", "max_tape_bytes_per_uid",
                                        "max_tapes_per_connection", "max_inflight_per_connection",
                                        "max_buffers_per_connection", "max_buffer_bytes_per_connection",
-                                       "max_queued_bytes_per_connection"};
-    assert_int_equal(n, 8);
+                                       "max_queued_bytes_per_connection", "max_buffered_bytes",
+                                       "max_buffered_bytes_per_uid", "max_connections_per_uid"};
+    assert_int_equal(n, 11);
     for (int i = 0; i < n; i++)
         assert_string_equal(lim[i].name, want[i]);
     assert_int_equal(lim[1].value, 3u << 20);

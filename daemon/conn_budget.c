@@ -1,0 +1,139 @@
+/* Buffering across connections (conn.h: held, starved): the bytes all
+ * connections hold, and each uid's, against max_buffered_bytes and
+ * max_buffered_bytes_per_uid, and each uid's open connections against
+ * max_connections_per_uid.  Loop thread only. */
+#include <stdlib.h>
+
+#include "conn.h"
+#include "log.h"
+
+static pb_uid_use_t *uid_use(pb_conns_t *s, uid_t uid)
+{
+    for (size_t i = 0; i < s->nuids; i++)
+        if (s->uids[i].uid == uid)
+            return &s->uids[i];
+    return NULL;
+}
+
+bool pb__conns_admit(pb_conns_t *s, uid_t uid)
+{
+    pb_uid_use_t *u = uid_use(s, uid);
+    if (u == NULL) {
+        if (s->nuids == s->capuids) {
+            size_t cap = s->capuids ? 2 * s->capuids : 8;
+            pb_uid_use_t *nu = realloc(s->uids, cap * sizeof *nu);
+            if (nu == NULL)
+                return false;
+            s->uids = nu;
+            s->capuids = cap;
+        }
+        u = &s->uids[s->nuids++];
+        *u = (pb_uid_use_t){.uid = uid};
+    }
+    u->open++;
+    u->members++;
+    return u->open <= s->cfg->max_connections_per_uid;
+}
+
+void pb__conns_closed(pb_conns_t *s, pb_conn_t *c)
+{
+    pb_uid_use_t *u = uid_use(s, c->uid);
+    if (u)
+        u->open--;
+}
+
+void pb__conns_leave(pb_conns_t *s, pb_conn_t *c)
+{
+    s->held -= c->held;
+    pb_uid_use_t *u = uid_use(s, c->uid);
+    size_t held = c->held;
+    c->held = 0;
+    if (u == NULL)
+        return; /* never admitted: out of memory at accept */
+    u->held -= held;
+    if (--u->members == 0) {
+        *u = s->uids[--s->nuids];
+        if (s->nuids == 0) {
+            free(s->uids);
+            s->uids = NULL;
+            s->capuids = 0;
+        }
+    }
+}
+
+/* Memory came back: the starved connections read again (each starves
+ * anew if its buffer still may not grow). */
+static void wake(pb_conns_t *s)
+{
+    if (s->held >= s->cfg->max_buffered_bytes)
+        return;
+    for (pb_conn_t *c = s->head; c; c = c->next)
+        if (c->starved)
+            pb__conn_resume(c);
+}
+
+void pb__conn_account(pb_conn_t *c)
+{
+    pb_conns_t *s = c->set;
+    size_t now = c->cap + c->reserved + c->pending_write + c->obuf.size;
+    if (now == c->held)
+        return;
+    pb_uid_use_t *u = uid_use(s, c->uid);
+    bool shrank = now < c->held;
+    s->held = s->held - c->held + now;
+    if (u)
+        u->held = u->held - c->held + now;
+    c->held = now;
+    if (shrank)
+        wake(s);
+}
+
+bool pb__conn_may_grow(const pb_conn_t *c, size_t more)
+{
+    const pb_conns_t *s = c->set;
+    if (s->held + more > s->cfg->max_buffered_bytes)
+        return false;
+    const pb_uid_use_t *u = uid_use((pb_conns_t *)s, c->uid);
+    return u == NULL || u->held + more <= s->cfg->max_buffered_bytes_per_uid;
+}
+
+void pb__conn_starve(pb_conn_t *c)
+{
+    pb_conns_t *s = c->set;
+    const pb_config_t *cfg = s->cfg;
+    if (!c->starved)
+        pb_log(PB_LOG_INFO, "connection %llu (uid %u): buffering cap reached (%zu bytes held); reading paused",
+               (unsigned long long)c->id, (unsigned)c->uid, s->held);
+    c->starved = true;
+    uv_read_stop((uv_stream_t *)&c->pipe);
+    /* A request in flight gives its bytes back when it is answered, and
+     * wakes the starved then. */
+    for (const pb_conn_t *x = s->head; x; x = x->next)
+        if (x->inflight > 0)
+            return;
+    /* Nothing will: the holder of the largest incomplete message goes (of
+     * c's uid when it is the uid's cap that binds). */
+    pb_uid_use_t *u = uid_use(s, c->uid);
+    bool per_uid = u && s->held < cfg->max_buffered_bytes;
+    pb_conn_t *victim = NULL;
+    size_t most = 0;
+    for (pb_conn_t *x = s->head; x; x = x->next) {
+        size_t partial = x->len - x->start;
+        if (x->closing || x->close_after_flush || (per_uid && x->uid != c->uid) || partial <= most)
+            continue;
+        most = partial;
+        victim = x;
+    }
+    if (victim == NULL)
+        return; /* what is held are replies being written: they drain */
+    if (per_uid)
+        pb__conn_refuse(victim,
+                        "max_buffered_bytes_per_uid (%zu) is reached for uid %u and this connection holds its "
+                        "largest incomplete message (%zu bytes)",
+                        cfg->max_buffered_bytes_per_uid, (unsigned)c->uid, most);
+    else
+        pb__conn_refuse(victim,
+                        "max_buffered_bytes (%zu) is reached and this connection holds the largest incomplete "
+                        "message (%zu bytes)",
+                        cfg->max_buffered_bytes, most);
+}

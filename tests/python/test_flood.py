@@ -1,0 +1,171 @@
+"""python.flood: bounded buffering across connections (issue 15).
+
+Connections that each send most of a large message and stop must not take
+the daemon's memory: past --max-buffered-bytes it stops reading from them,
+and when nothing can give memory back it answers the holder of the
+largest incomplete message resource_exhausted (naming the limit) and
+closes it.  Meanwhile a new client is answered, and once the flood is
+gone a legitimate 100 MiB request goes through.  Also the per-uid cap on
+open connections.  The resident-memory bound is checked outside ASan
+(whose shadow memory and quarantine would blur it).
+
+Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_flood.py
+"""
+
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+import unittest
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "clients", "python"))
+sys.path.insert(0, HERE)
+import msgpack  # noqa: E402
+import pullbackd  # noqa: E402
+from daemon_case import DaemonCase  # noqa: E402
+
+MiB = 1 << 20
+CAP = 256 * MiB
+UNDER_ASAN = "ASAN_OPTIONS" in os.environ
+
+
+def rss(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def flood_prefix(nbytes):
+    """A forward request whose tensor data declares nbytes: all but the payload."""
+    msg = msgpack.packb([0, 1, "forward", [{"op": "tensoradd", "inputs": {
+        "A": {"dtype": "f64", "shape": [nbytes // 8], "order": "C", "data": b""}}}]])
+    assert msg.endswith(b"\xc4\x00")
+    return msg[:-2] + struct.pack(">BI", 0xc6, nbytes)
+
+
+def read_error(sock, timeout=5.0):
+    """The first reply on sock, or None if it closed or stayed silent."""
+    sock.settimeout(timeout)
+    u = msgpack.Unpacker(raw=False)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return None
+            u.feed(data)
+            for msg in u:
+                return msg
+    except OSError:
+        return None
+
+
+class Flood(DaemonCase):
+    DAEMON_ARGS = ["--max-buffered-bytes", "256M", "--max-buffered-bytes-per-uid", "256M",
+                   "--max-message-bytes", "256M"]
+
+    def test_flood(self):
+        with pullbackd.Client(self.path, timeout=10) as c:
+            limits = c.hello()["limits"]
+            self.assertEqual(limits["max_buffered_bytes"], CAP)
+            self.assertEqual(limits["max_buffered_bytes_per_uid"], CAP)
+            c.forward("tensoradd", {"A": np.ones(1000)})  # warm up
+        base = rss(self.proc.pid)
+        peak = [base]
+        sampling = [True]
+
+        def sample():
+            while sampling[0]:
+                peak[0] = max(peak[0], rss(self.proc.pid))
+                time.sleep(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        n_flood, send = 5, 200 * MiB
+        socks = [socket.socket(socket.AF_UNIX) for _ in range(n_flood)]
+        outcome = [None] * n_flood
+        chunk = b"\x00" * MiB
+
+        def flood(i):
+            s = socks[i]
+            s.connect(self.path)
+            s.settimeout(2.0)  # a starved sender stalls: give up then
+            try:
+                s.sendall(flood_prefix(240 * MiB))
+                for _ in range(send // MiB):
+                    s.sendall(chunk)
+                outcome[i] = "sent"
+            except socket.timeout:
+                outcome[i] = "stalled"
+            except OSError:
+                outcome[i] = "closed"
+
+        threads = [threading.Thread(target=flood, args=(i,)) for i in range(n_flood)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        # Mid-flood, a new client is answered.
+        t0 = time.monotonic()
+        with pullbackd.Client(self.path, timeout=10) as c:
+            self.assertEqual(c.hello()["protocol"], 1)
+            np.testing.assert_array_equal(c.forward("tensoradd", {"A": np.arange(4.0)})["C"], np.arange(4.0))
+        self.assertLess(time.monotonic() - t0, 5.0)
+        for t in threads:
+            t.join(60)
+        sampling[0] = False
+        sampler.join()
+        # The daemon refused some of them, naming the limit.
+        errors = []
+        for s in socks:
+            e = read_error(s, timeout=0.5)
+            if e is not None:
+                errors.append(e[2])
+            s.close()
+        self.assertGreaterEqual(len(errors), 1, outcome)
+        for e in errors:
+            self.assertEqual(e["code"], "resource_exhausted")
+            self.assertIn("max_buffered_bytes", e["message"])
+        self.assertIn("closed", outcome)
+        if not UNDER_ASAN:
+            # Unbounded, five 200 MiB messages would be 1 GiB resident.
+            self.assertLess(peak[0] - base, CAP + 64 * MiB, f"RSS rose by {(peak[0] - base) / MiB:.0f} MiB")
+        # The flood is gone: a legitimate 100 MiB request goes through.
+        A = np.random.default_rng(1).standard_normal(100 * MiB // 8)
+        with pullbackd.Client(self.path, timeout=60) as c:
+            np.testing.assert_array_equal(c.forward("tensoradd", {"A": A})["C"], A)
+            st = c.stats()
+            self.assertEqual(st["connections"], 1)
+
+
+class ConnectionsPerUid(DaemonCase):
+    DAEMON_ARGS = ["--max-connections-per-uid", "3"]
+
+    def test_cap(self):
+        time.sleep(0.3)  # the setup's probe connection is closed and gone
+        clients = [pullbackd.Client(self.path, timeout=10) for _ in range(3)]
+        for c in clients:
+            c.hello()
+        extra = socket.socket(socket.AF_UNIX)
+        extra.connect(self.path)
+        e = read_error(extra)
+        self.assertIsNotNone(e)
+        self.assertEqual(e[2]["code"], "resource_exhausted")
+        self.assertIn("max_connections_per_uid", e[2]["message"])
+        self.assertEqual(extra.recv(1), b"")  # then closed
+        extra.close()
+        clients.pop().close()
+        time.sleep(0.2)
+        with pullbackd.Client(self.path, timeout=10) as c:
+            self.assertEqual(c.hello()["limits"]["max_connections_per_uid"], 3)
+        for c in clients:
+            c.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
