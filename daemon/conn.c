@@ -338,8 +338,17 @@ void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
     pb_err_set(&err, PB_ERESOURCE_EXHAUSTED, NULL, "%s; closing the connection", why);
     pb_log(PB_LOG_NOTICE, "connection %llu (uid %u): resource_exhausted: %s", (unsigned long long)c->id,
            (unsigned)c->uid, why);
-    /* Its incomplete message goes now: that memory is what others wait for. */
+    /* Its incomplete message goes now: that memory is what others wait for
+     * (and back to the system: a buffer grown in glibc's heap would stay
+     * resident after free). */
+    bool big = c->cap >= TRIM_AFTER(c);
     free(c->buf);
+#ifdef __GLIBC__
+    if (big)
+        malloc_trim(0);
+#else
+    (void)big;
+#endif
     c->buf = NULL;
     c->cap = c->len = c->start = 0;
     pb_scan_reset(&c->scan);

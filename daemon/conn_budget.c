@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "conn.h"
+#include "grow.h"
 #include "log.h"
 
 static pb_uid_use_t *uid_use(pb_conns_t *s, uid_t uid)
@@ -19,14 +20,8 @@ bool pb__conns_admit(pb_conns_t *s, uid_t uid)
 {
     pb_uid_use_t *u = uid_use(s, uid);
     if (u == NULL) {
-        if (s->nuids == s->capuids) {
-            size_t cap = s->capuids ? 2 * s->capuids : 8;
-            pb_uid_use_t *nu = realloc(s->uids, cap * sizeof *nu);
-            if (nu == NULL)
-                return false;
-            s->uids = nu;
-            s->capuids = cap;
-        }
+        if (!pb__grow((void **)&s->uids, s->nuids, &s->capuids, sizeof *s->uids))
+            return false;
         u = &s->uids[s->nuids++];
         *u = (pb_uid_use_t){.uid = uid};
     }

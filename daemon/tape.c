@@ -1,5 +1,7 @@
 #include "tape.h"
 
+#include "grow.h"
+
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
@@ -64,14 +66,8 @@ static pb_peer_acct_t *peer(pb_tapes_t *t, uid_t uid, bool create)
             return &t->peers[i];
     if (!create)
         return NULL;
-    if (t->npeers == t->cappeers) {
-        size_t cap = t->cappeers ? 2 * t->cappeers : 8;
-        pb_peer_acct_t *p = realloc(t->peers, cap * sizeof *p);
-        if (p == NULL)
-            return NULL;
-        t->peers = p;
-        t->cappeers = cap;
-    }
+    if (!pb__grow((void **)&t->peers, t->npeers, &t->cappeers, sizeof *t->peers))
+        return NULL;
     pb_peer_acct_t *p = &t->peers[t->npeers++];
     *p = (pb_peer_acct_t){.uid = uid};
     return p;

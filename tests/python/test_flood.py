@@ -132,6 +132,8 @@ class Flood(DaemonCase):
             self.assertEqual(e["code"], "resource_exhausted")
             self.assertIn("max_buffered_bytes", e["message"])
         self.assertIn("closed", outcome)
+        print(f"flood: {n_flood} connections x {send // MiB} MiB: daemon RSS rose by "
+              f"{(peak[0] - base) / MiB:.0f} MiB (cap {CAP // MiB} MiB); outcomes {outcome}", file=sys.stderr)
         if not UNDER_ASAN:
             # Unbounded, five 200 MiB messages would be 1 GiB resident.
             self.assertLess(peak[0] - base, CAP + 64 * MiB, f"RSS rose by {(peak[0] - base) / MiB:.0f} MiB")
