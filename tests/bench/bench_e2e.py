@@ -6,8 +6,9 @@ would do instead, measured in the same run (issue 15's figures).
                 (all its threads), f32 and f64, two sizes.
   transpose     a 2048² f64 tensoradd transpose sent inline, round trip ÷
                 a copy of the same 64 MiB in memory (numpy).
-  alone/two     svd_vals of a 1024² f64 matrix alone ÷ two at once on two
-                connections.
+  alone/two     svd_vals of a 1024² f64 matrix (LAPACK-bound), and a
+                1024³ f64 tensorcontract (GEMM-bound), alone ÷ two at once on
+                two connections.
 
 Starts its own daemon ($PULLBACKD_BIN, else build/daemon/pullbackd) unless
 PULLBACKD_SOCKET names a running one.  --quick for a short run.  Run with
@@ -88,13 +89,16 @@ def bench_transpose(c):
     print(f"transpose {n}² f64 inline round trip {a * 1e3:.1f} ms, copy {t * 1e3:.1f} ms: ratio {a / t:.1f}")
 
 
-def bench_alone_two(path):
+def bench_alone_two(path, op="svd_vals"):
     n = 512 if QUICK else 1024
     A = np.random.default_rng(2).standard_normal((n, n))
     clients = [pullbackd.Client(path), pullbackd.Client(path)]
 
     def one(c):
-        c.forward("svd_vals", {"A": A})
+        if op == "svd_vals":
+            c.forward("svd_vals", {"A": A})
+        else:
+            c.forward("tensorcontract", {"A": A, "B": A}, options={"spec": "ij,jk->ik"})
 
     alone = best(lambda: one(clients[0]), 3)
 
@@ -108,7 +112,7 @@ def bench_alone_two(path):
     both = best(two, 3)
     for cl in clients:
         cl.close()
-    print(f"svd_vals {n}² f64 alone {alone * 1e3:.0f} ms, two at once {both * 1e3:.0f} ms: "
+    print(f"{op} {n}² f64 alone {alone * 1e3:.0f} ms, two at once {both * 1e3:.0f} ms: "
           f"alone/two {alone / both:.2f}")
 
 
@@ -125,7 +129,8 @@ def main():
         with pullbackd.Client(path) as c:
             bench_fused_dense(c)
             bench_transpose(c)
-        bench_alone_two(path)
+        bench_alone_two(path, "svd_vals")      # LAPACK-bound: one core
+        bench_alone_two(path, "tensorcontract")  # GEMM-bound: idle workers help
     finally:
         if proc:
             proc.terminate()
