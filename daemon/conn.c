@@ -2,7 +2,6 @@
  * batched replies. */
 #define _GNU_SOURCE /* struct ucred */
 #include <errno.h>
-#include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -209,104 +208,6 @@ static pb_storage_t *take_message(pb_conn_t *c, size_t n)
 static void mark_dirty(pb_conn_t *c);
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b);
 
-/* ---- passed fds (server.h) ------------------------------------------------ */
-
-static void free_handle(uv_handle_t *h)
-{
-    free(h);
-}
-
-/* The oldest fd libuv holds for c, or -1 when it was lost (closed).
- *
- * The connection's pipe is opened with ipc=1, so libuv reads it with
- * recvmsg and queues the SCM_RIGHTS fds that come with the bytes (on Unix
- * ipc adds nothing to the byte stream); it hands them out only through
- * uv_accept into a pipe, tcp or udp handle.  A memfd is none of those, but
- * uv_accept into a pipe handle only adopts the number without looking at
- * it: adopt it in a throwaway handle, dup it out, and close the handle,
- * which closes the original.  libuv leaves 0..2 open when it closes a
- * handle, so an fd that got one of those numbers is closed here. */
-static int adopt_fd(pb_conn_t *c, bool *oom)
-{
-    uv_pipe_t *tmp = malloc(sizeof *tmp);
-    if (tmp == NULL || uv_pipe_init(c->set->loop, tmp, 0) != 0) {
-        free(tmp);
-        *oom = true;
-        return -1;
-    }
-    int mine = -1;
-    uv_os_fd_t fd;
-    if (uv_accept((uv_stream_t *)&c->pipe, (uv_stream_t *)tmp) == 0 && uv_fileno((uv_handle_t *)tmp, &fd) == 0) {
-        mine = fcntl(fd, F_DUPFD_CLOEXEC, 3);
-        if (mine < 0)
-            pb_log(PB_LOG_WARNING, "connection %llu: a passed file descriptor was dropped: %s",
-                   (unsigned long long)c->id, strerror(errno));
-        if (fd <= STDERR_FILENO)
-            close(fd);
-    }
-    uv_close((uv_handle_t *)tmp, free_handle);
-    return mine;
-}
-
-/* Take the fds that came with the bytes [from, to) of the stream.  Called
- * from the read callback, while c is reading: uv_accept restarts reading
- * when its queue empties, which is then a no-op.  False when out of memory
- * (the fds left in libuv's queue could no longer be told apart). */
-static bool receive_fds(pb_conn_t *c, uint64_t from, uint64_t to)
-{
-    while (uv_pipe_pending_count(&c->pipe) > 0) {
-        bool oom = false;
-        int fd = adopt_fd(c, &oom);
-        if (oom)
-            return false;
-        if (fd < 0)
-            continue;
-        if (c->nfds == PB_CONN_MAX_FDS) {
-            pb_log(PB_LOG_NOTICE, "connection %llu: more than %d passed file descriptors wait for their "
-                   "messages; closing the newest", (unsigned long long)c->id, PB_CONN_MAX_FDS);
-            close(fd);
-            continue;
-        }
-        c->fds[c->nfds++] = (struct pb_conn_fd){fd, from, to};
-    }
-    return true;
-}
-
-/* The fds of the message at stream offsets [s, e).  The kernel glues the
- * bytes of several sendmsg calls into one read but ends the read after
- * bytes that carried fds, so the fds of a read [from, to) came with its
- * last sendmsg, and that sendmsg began the last message that begins in
- * [from, to) (when a client sends one request per sendmsg, as it should):
- * the message that begins there and ends at or past to.  So a held fd
- * whose read ends by e is this message's when s lies in its read;
- * otherwise no message began in that read (it fell inside a message) or
- * the last one that did was served before: stray, and closed.  An fd
- * whose read ends past e waits for a later message. */
-static void claim_fds(pb_conn_t *c, uint64_t s, uint64_t e)
-{
-    int keep = 0;
-    c->msg_nfds = 0;
-    for (int i = 0; i < c->nfds; i++) {
-        struct pb_conn_fd f = c->fds[i];
-        if (f.to > e)
-            c->fds[keep++] = f;
-        else if (f.from <= s && s < f.to)
-            c->msg_fds[c->msg_nfds++] = f.fd;
-        else
-            close(f.fd);
-    }
-    c->nfds = keep;
-}
-
-/* Close the fds the message was given and no method kept. */
-static void release_msg_fds(pb_conn_t *c)
-{
-    for (int i = 0; i < c->msg_nfds; i++)
-        if (c->msg_fds[i] >= 0)
-            close(c->msg_fds[i]);
-    c->msg_nfds = 0;
-}
-
 /* One error with msgid 0, then the connection closes after the flush. */
 static void answer_and_close(pb_conn_t *c, const pb_err_t *err)
 {
@@ -402,16 +303,16 @@ static void process(pb_conn_t *c)
             late = c->drain_left < n;
             c->drain_left = late ? 0 : c->drain_left - n;
         }
-        claim_fds(c, c->taken, c->taken + n);
+        pb__conn_claim_fds(c, c->taken, c->taken + n);
         pb_storage_t *msg = take_message(c, n);
         if (msg == NULL) {
-            release_msg_fds(c);
+            pb__conn_release_msg_fds(c);
             parse_error(c, "out of memory for a message");
             break;
         }
         c->taken += n;
         s->cb.on_message(c, msg, late, s->cb.data);
-        release_msg_fds(c);
+        pb__conn_release_msg_fds(c);
         pb_storage_unref(msg);
     }
     note_held(c);
@@ -444,7 +345,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
         pb_conn_close(c);
         return;
     }
-    if (nread > 0 && uv_pipe_pending_count(&c->pipe) > 0 && !receive_fds(c, c->rx, c->rx + (uint64_t)nread)) {
+    if (nread > 0 && uv_pipe_pending_count(&c->pipe) > 0 && !pb__conn_receive_fds(c, c->rx, c->rx + (uint64_t)nread)) {
         pb_log(PB_LOG_WARNING, "connection %llu: out of memory for passed file descriptors; closing it",
                (unsigned long long)c->id);
         pb_conn_close(c);

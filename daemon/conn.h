@@ -239,6 +239,16 @@ bool pb__conn_may_grow(const pb_conn_t *c, size_t more);
 /* c's buffer may not grow: stop reading it, and when nothing can give
  * memory back, close the holder of the largest incomplete message. */
 void pb__conn_starve(pb_conn_t *c);
+/* ---- conn_fds.c: passed fds (glossary) ------------------------------------ */
+
+/* Take the fds that came with the bytes [from, to) of the stream, from the
+ * read callback.  False when out of memory. */
+bool pb__conn_receive_fds(pb_conn_t *c, uint64_t from, uint64_t to);
+/* Give the message at stream offsets [s, e) its fds (msg_fds). */
+void pb__conn_claim_fds(pb_conn_t *c, uint64_t s, uint64_t e);
+/* Close the fds the message was given and no method kept. */
+void pb__conn_release_msg_fds(pb_conn_t *c);
+
 /* conn.c's: read again after starving. */
 void pb__conn_resume(pb_conn_t *c);
 /* conn.c's: answer resource_exhausted and close after the flush. */
