@@ -120,6 +120,8 @@ static const pb_setting_t keys[] = {
      "max_connections_per_uid", "N", "open connections of one uid"},
     {"drain-timeout", PB_SET_SECONDS, FIELD(drain_timeout_s), "30", 0, 1000000000, true, NULL, "S",
      "seconds to finish in-flight work on SIGTERM"},
+    {"idle-trim", PB_SET_SECONDS, FIELD(idle_trim_s), "10", 0, 1000000000, true, NULL, "S",
+     "seconds without requests before memory kept for reuse\ngoes back to the system (0: never)"},
     {"log-level", PB_SET_LOG, FIELD(log_level), "info", 0, 0, true, NULL, "LEVEL",
      "error, warning, notice, info, debug"},
 };

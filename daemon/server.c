@@ -32,10 +32,21 @@ static void on_flush(uv_check_t *h)
     pb_conns_flush(&s->conns);
 }
 
+/* Every second: expired tapes go, and after idle-trim seconds without a
+ * request the memory kept for reuse goes back to the system. */
 static void on_sweep(uv_timer_t *t)
 {
     pb_server_t *s = t->data;
     pb_rpc_sweep(&s->rpc);
+    uint64_t now = uv_now(s->loop);
+    if (s->rpc.requests_served != s->served_seen || s->rpc.requests_in_flight > 0) {
+        s->served_seen = s->rpc.requests_served;
+        s->busy_ms = now;
+        s->trimmed = false;
+    } else if (!s->trimmed && s->cfg.idle_trim_s > 0 && now - s->busy_ms >= (uint64_t)(s->cfg.idle_trim_s * 1000)) {
+        pb_alloc_trim();
+        s->trimmed = true;
+    }
 }
 
 /* The callbacks the layers below call, all with the server as data: the

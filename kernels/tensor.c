@@ -46,6 +46,13 @@ void pb_alloc_init(void)
     mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
+void pb_alloc_trim(void)
+{
+    /* The cache above is glibc's heap: hand its free pages back (all
+     * arenas, holes included) once the daemon has been idle a while. */
+    malloc_trim(0);
+}
+
 void *pb_mem_alloc(size_t size)
 {
     /* malloc and align by hand, the block's address kept just before the

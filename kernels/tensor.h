@@ -86,6 +86,9 @@ pb_dtype_t pb_dtype_complex(pb_dtype_t d);
  * instead of being mapped afresh (and page-faulted in) for every output.
  * Called once at startup, before any thread is made. */
 void pb_alloc_init(void);
+/* Return the heap's free pages to the system (the daemon calls it after
+ * idle-trim seconds without requests). */
+void pb_alloc_trim(void);
 
 /* size bytes aligned to PB_ALIGN, from malloc (so freed blocks are
  * reused); NULL when out of memory.  Freed with pb_mem_free only. */

@@ -6,7 +6,8 @@ and when nothing can give memory back it answers the holder of the
 largest incomplete message resource_exhausted (naming the limit) and
 closes it.  Meanwhile a new client is answered, and once the flood is
 gone a legitimate 100 MiB request goes through.  Also the per-uid cap on
-open connections.  The resident-memory bound is checked outside ASan
+open connections, and the heap's trim after --idle-trim seconds idle.  The
+resident-memory bound is checked outside ASan
 (whose shadow memory and quarantine would blur it).
 
 Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_flood.py
@@ -143,6 +144,28 @@ class Flood(DaemonCase):
             np.testing.assert_array_equal(c.forward("tensoradd", {"A": A})["C"], A)
             st = c.stats()
             self.assertEqual(st["connections"], 1)
+
+
+class IdleTrim(DaemonCase):
+    """Memory kept for reuse (glibc's heap, up to 1 GiB free) goes back to
+    the system after --idle-trim seconds without requests."""
+
+    DAEMON_ARGS = ["--idle-trim", "2"]
+
+    @unittest.skipIf(UNDER_ASAN, "ASan's allocator ignores malloc_trim")
+    def test_trim(self):
+        A = np.random.default_rng(2).standard_normal(100 * MiB // 8)
+        with pullbackd.Client(self.path, timeout=60) as c:
+            C = c.forward("tensoradd", {"A": A})["C"]
+            held = rss(self.proc.pid)  # before the next sweep can trim
+            np.testing.assert_array_equal(C, A)
+            time.sleep(4.0)
+            after = rss(self.proc.pid)
+            print(f"idle trim: RSS {held / MiB:.0f} MiB after a 100 MiB request, {after / MiB:.0f} MiB "
+                  f"after 4 s idle", file=sys.stderr)
+            self.assertLess(after, held - 100 * MiB)
+            # Still serving, and the next big request works.
+            np.testing.assert_array_equal(c.forward("tensoradd", {"A": A})["C"], A)
 
 
 class ConnectionsPerUid(DaemonCase):

@@ -490,6 +490,9 @@ class Client:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(timeout)
+            # Big tensors go out in fewer, larger writes (the kernel caps
+            # this at net.core.wmem_max).
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             self._sock.connect(path or socket_path())
         except BaseException:
             self._sock.close()
