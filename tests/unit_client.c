@@ -12,6 +12,7 @@
 #include <cmocka.h>
 
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -694,6 +695,122 @@ static void test_recv_malformed(void **state)
 
 /* ---- sending ----------------------------------------------------------- */
 
+/* ---- big tensors sent in place ---------------------------------------- */
+
+typedef struct {
+    int fd;
+    msgpack_unpacker u;
+    msgpack_unpacked up;
+    int passed_fd; /* an SCM_RIGHTS fd that came with the bytes, or -1 */
+} reader_t;
+
+static void *read_one(void *arg)
+{
+    reader_t *r = arg;
+    r->passed_fd = -1;
+    for (;;) {
+        if (msgpack_unpacker_next(&r->u, &r->up) == MSGPACK_UNPACK_SUCCESS)
+            return NULL;
+        if (!msgpack_unpacker_reserve_buffer(&r->u, 1 << 16))
+            return NULL;
+        union {
+            struct cmsghdr h;
+            char buf[CMSG_SPACE(sizeof(int))];
+        } ctl;
+        struct iovec iov = { msgpack_unpacker_buffer(&r->u), msgpack_unpacker_buffer_capacity(&r->u) };
+        struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.buf,
+                              .msg_controllen = sizeof ctl.buf };
+        ssize_t n = recvmsg(r->fd, &msg, 0);
+        if (n <= 0)
+            return NULL;
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+        if (cm && cm->cmsg_type == SCM_RIGHTS)
+            memcpy(&r->passed_fd, CMSG_DATA(cm), sizeof(int));
+        msgpack_unpacker_buffer_consumed(&r->u, (size_t)n);
+    }
+}
+
+/* tensors[i]'s data as the peer decoded it from params.inputs["t<i>"]. */
+static const msgpack_object *sent_data(const msgpack_object *msg, int i)
+{
+    char name[8];
+    snprintf(name, sizeof name, "t%d", i);
+    const msgpack_object *params = &msg->via.array.ptr[3].via.array.ptr[0];
+    const msgpack_object *t = pb_obj_get(pb_obj_get(params, "inputs"), name);
+    return pb_obj_get(t, "data");
+}
+
+/* Tensors of 64 KiB and more go out from the caller's memory: what the
+ * peer reads is the message pb_pack_tensor describes, byte for byte, for
+ * sizes around the threshold, more than the 16 in-place slots, with an fd
+ * passed along; and it is the caller's memory at send time (changed after
+ * packing, the peer sees the change). */
+static void test_send_in_place(void **state)
+{
+    (void)state;
+    enum { NT = 20 };
+    static const size_t sizes[NT] = {8, 65528, 65536, 65544, 1 << 20, 3 << 20, 100, 70000, 65536, 65536,
+                                     65536, 65536, 65536, 65536, 65536, 65536, 65536, 65536, 65536, 65536};
+    for (int with_fd = 0; with_fd < 2; with_fd++) {
+        int peer;
+        pb_client_t *c = pair_client(&peer);
+        unsigned char *data[NT];
+        pb_ctensor_t t[NT];
+        for (int i = 0; i < NT; i++) {
+            data[i] = malloc(sizes[i]);
+            for (size_t k = 0; k < sizes[i]; k++)
+                data[i][k] = (unsigned char)(k * 7 + (size_t)i);
+            t[i] = (pb_ctensor_t){ .dtype = "f64", .rank = 1, .shape = { sizes[i] / 8 }, .data = data[i],
+                                   .nbytes = sizes[i] };
+        }
+        msgpack_packer *pk = pb_client_begin(c, "forward");
+        msgpack_pack_map(pk, 2);
+        pb_pack_str(pk, "op");
+        pb_pack_str(pk, "tensoradd");
+        pb_pack_str(pk, "inputs");
+        msgpack_pack_map(pk, NT);
+        for (int i = 0; i < NT; i++) {
+            char name[8];
+            snprintf(name, sizeof name, "t%d", i);
+            pb_pack_str(pk, name);
+            pb_pack_tensor(pk, &t[i]);
+        }
+        data[4][12345] ^= 0xff; /* after packing, before sending */
+        reader_t r = { .fd = peer };
+        assert_true(msgpack_unpacker_init(&r.u, 1 << 16));
+        msgpack_unpacked_init(&r.up);
+        pthread_t th;
+        assert_int_equal(pthread_create(&th, NULL, read_one, &r), 0);
+        uint32_t id;
+        int memfd = -1;
+        if (with_fd) {
+            memfd = dup(STDIN_FILENO);
+            assert_int_equal(pb_client_send_with_fd(c, memfd, &id), 0);
+        } else {
+            assert_int_equal(pb_client_send(c, &id), 0);
+        }
+        pthread_join(th, NULL);
+        assert_int_equal(r.up.data.type, MSGPACK_OBJECT_ARRAY);
+        for (int i = 0; i < NT; i++) {
+            const msgpack_object *d = sent_data(&r.up.data, i);
+            assert_non_null(d);
+            assert_int_equal(d->via.bin.size, sizes[i]);
+            assert_memory_equal(d->via.bin.ptr, data[i], sizes[i]);
+        }
+        assert_true(with_fd ? r.passed_fd >= 0 : r.passed_fd < 0);
+        if (r.passed_fd >= 0)
+            close(r.passed_fd);
+        if (memfd >= 0)
+            close(memfd);
+        msgpack_unpacked_destroy(&r.up);
+        msgpack_unpacker_destroy(&r.u);
+        for (int i = 0; i < NT; i++)
+            free(data[i]);
+        close(peer);
+        pb_client_close(c);
+    }
+}
+
 static void test_send_encoding(void **state)
 {
     (void)state;
@@ -890,6 +1007,7 @@ int main(void)
         cmocka_unit_test(test_unexpected_msgid_queued),
         cmocka_unit_test(test_recv_malformed),
         cmocka_unit_test(test_send_encoding),
+        cmocka_unit_test(test_send_in_place),
         cmocka_unit_test(test_pipeline_no_deadlock),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -31,6 +31,11 @@
 /* A send buffer larger than this after a request is freed rather than kept
  * for the next one, so one big tensor does not pin its memory forever. */
 #define CLIENT_KEEP_SBUF (1024 * 1024)
+/* Tensor data of at least this many bytes is sent from the caller's memory
+ * (an iovec of its own) instead of being copied into the send buffer; at
+ * most CLIENT_MAXSEG such tensors per message, the rest are copied. */
+#define CLIENT_INPLACE (64u << 10)
+#define CLIENT_MAXSEG 16
 
 enum client_begun { BEGUN_NONE, BEGUN_REQUEST, BEGUN_NOTIFY };
 
@@ -47,6 +52,14 @@ struct pb_client {
     int begun;           /* enum client_begun */
     uint32_t begun_msgid;
     size_t params_off;   /* offset in out where the params map starts */
+    /* Tensor payloads sent in place: each goes after out's first `at`
+     * bytes.  The memory is the caller's, valid until the send returns. */
+    struct client_seg {
+        size_t at;
+        const void *p;
+        size_t len;
+    } seg[CLIENT_MAXSEG];
+    int nseg;
 
     msgpack_unpacker unp;
     bool eof;            /* the daemon closed its end */
@@ -81,6 +94,7 @@ static void client_discard(pb_client_t *c)
     }
     c->out.size = 0;
     c->pack_err = 0;
+    c->nseg = 0;
     c->begun = BEGUN_NONE;
 }
 
@@ -492,33 +506,37 @@ const char *pb_reply_message(const pb_reply_t *r)
 
 /* ---- Writing ----------------------------------------------------------- */
 
-static ssize_t send_with_fd(int sock, const char *p, size_t n, int fd)
+/* One sendmsg of iov[0, n); fd >= 0 rides along as SCM_RIGHTS. */
+static ssize_t send_iov(int sock, struct iovec *iov, int n, int fd)
 {
     union {
         struct cmsghdr h;
         char buf[CMSG_SPACE(sizeof(int))];
     } ctl;
-    struct iovec iov = { .iov_base = (void *)p, .iov_len = n };
     struct msghdr msg = { 0 };
 
-    memset(&ctl, 0, sizeof ctl);
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = ctl.buf;
-    msg.msg_controllen = sizeof ctl.buf;
-    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+    msg.msg_iov = iov;
+    msg.msg_iovlen = (size_t)n;
+    if (fd >= 0) {
+        memset(&ctl, 0, sizeof ctl);
+        msg.msg_control = ctl.buf;
+        msg.msg_controllen = sizeof ctl.buf;
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int));
+        memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+    }
     return sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
-/* Write all n bytes, reading replies that arrive meanwhile.  pass_fd >= 0
- * rides on the first bytes written. */
-static int client_write(pb_client_t *c, const char *p, size_t n, int pass_fd)
+/* Write all bytes of iov[0, niov), reading replies that arrive meanwhile.
+ * pass_fd >= 0 rides on the first bytes written.  iov is consumed. */
+static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_fd)
 {
-    while (n > 0) {
+    while (niov > 0 && iov[0].iov_len == 0)
+        iov++, niov--;
+    while (niov > 0) {
         struct pollfd pfd = { .fd = c->fd, .events = POLLOUT };
         if (!c->eof && c->broken == 0)
             pfd.events |= POLLIN;
@@ -537,19 +555,46 @@ static int client_write(pb_client_t *c, const char *p, size_t n, int pass_fd)
                 c->eof = true; /* the write below reports the failure */
         }
         if (pfd.revents & (POLLOUT | POLLERR | POLLHUP)) {
-            ssize_t w = pass_fd >= 0 ? send_with_fd(c->fd, p, n, pass_fd)
-                                     : send(c->fd, p, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+            ssize_t w = send_iov(c->fd, iov, niov, pass_fd);
             if (w < 0) {
                 if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
                     continue;
                 return errno == ECONNRESET ? -EPIPE : -errno;
             }
             pass_fd = -1;
-            p += w;
-            n -= (size_t)w;
+            size_t left = (size_t)w;
+            while (niov > 0 && left >= iov[0].iov_len) {
+                left -= iov[0].iov_len;
+                iov++, niov--;
+            }
+            if (niov > 0) {
+                iov[0].iov_base = (char *)iov[0].iov_base + left;
+                iov[0].iov_len -= left;
+            }
         }
     }
     return 0;
+}
+
+static int client_write(pb_client_t *c, const char *p, size_t n, int pass_fd)
+{
+    struct iovec iov = { .iov_base = (void *)p, .iov_len = n };
+    return client_writev(c, &iov, 1, pass_fd);
+}
+
+/* The message: out's bytes with the in-place payloads between them. */
+static int client_write_message(pb_client_t *c, int pass_fd)
+{
+    struct iovec iov[2 * CLIENT_MAXSEG + 1];
+    int n = 0;
+    size_t from = 0;
+    for (int i = 0; i < c->nseg; i++) {
+        iov[n++] = (struct iovec){ .iov_base = c->out.data + from, .iov_len = c->seg[i].at - from };
+        iov[n++] = (struct iovec){ .iov_base = (void *)c->seg[i].p, .iov_len = c->seg[i].len };
+        from = c->seg[i].at;
+    }
+    iov[n++] = (struct iovec){ .iov_base = c->out.data + from, .iov_len = c->out.size - from };
+    return client_writev(c, iov, n, pass_fd);
 }
 
 static msgpack_packer *client_begin(pb_client_t *c, const char *method, int kind)
@@ -585,20 +630,53 @@ msgpack_packer *pb_client_begin_notify(pb_client_t *c, const char *method)
     return client_begin(c, method, BEGUN_NOTIFY);
 }
 
+/* The params as the check below reads them: out's bytes from params_off,
+ * each in-place payload's bin32 header rewritten as an empty bin8 (the
+ * payload is not there).  Returns the bytes to read (data or *copy). */
+static const char *client_params_view(pb_client_t *c, size_t *len, char **copy)
+{
+    *copy = NULL;
+    *len = c->out.size - c->params_off;
+    if (c->nseg == 0)
+        return c->out.data + c->params_off;
+    char *v = malloc(*len);
+    if (v == NULL)
+        return NULL;
+    size_t from = c->params_off, n = 0;
+    for (int i = 0; i < c->nseg; i++) {
+        size_t hdr = c->seg[i].at - 5; /* msgpack_pack_bin wrote 0xc6 + 4 bytes */
+        memcpy(v + n, c->out.data + from, hdr - from);
+        n += hdr - from;
+        v[n++] = (char)0xc4;
+        v[n++] = 0;
+        from = c->seg[i].at;
+    }
+    memcpy(v + n, c->out.data + from, c->out.size - from);
+    *len = n + (c->out.size - from);
+    *copy = v;
+    return v;
+}
+
 /* The caller must have packed exactly one complete map after the header. */
 static int client_check_params(pb_client_t *c)
 {
     msgpack_unpacked up;
     size_t off = 0;
-    size_t len = c->out.size - c->params_off;
+    size_t len;
+    char *copy;
     int rc;
 
     if (c->pack_err != 0)
         return c->pack_err;
-    if (len == 0)
+    const char *params = client_params_view(c, &len, &copy);
+    if (params == NULL)
+        return -ENOMEM;
+    if (len == 0) {
+        free(copy);
         return -EINVAL;
+    }
     msgpack_unpacked_init(&up);
-    switch (msgpack_unpack_next(&up, c->out.data + c->params_off, len, &off)) {
+    switch (msgpack_unpack_next(&up, params, len, &off)) {
     case MSGPACK_UNPACK_SUCCESS:
         rc = up.data.type == MSGPACK_OBJECT_MAP && off == len ? 0 : -EINVAL;
         break;
@@ -610,6 +688,7 @@ static int client_check_params(pb_client_t *c)
         break;
     }
     msgpack_unpacked_destroy(&up);
+    free(copy);
     return rc;
 }
 
@@ -623,7 +702,7 @@ static int client_send(pb_client_t *c, int kind, int pass_fd, uint32_t *msgid_ou
     }
     int rc = client_check_params(c);
     if (rc == 0)
-        rc = client_write(c, c->out.data, c->out.size, pass_fd);
+        rc = client_write_message(c, pass_fd);
     uint32_t id = c->begun_msgid;
     client_discard(c);
     if (rc == 0 && msgid_out != NULL)
@@ -878,6 +957,19 @@ void pb_pack_into(msgpack_packer *pk, const pb_into_t *into, size_t n)
     }
 }
 
+/* A big payload packed into a client's message is sent from the caller's
+ * memory (client_write_message) rather than copied: note where it goes. */
+static bool client_defer(msgpack_packer *pk, const void *p, size_t n)
+{
+    if (n < CLIENT_INPLACE || pk->callback != client_pack_write)
+        return false;
+    pb_client_t *c = pk->data;
+    if (c->nseg == CLIENT_MAXSEG || c->pack_err != 0 || c->begun == BEGUN_NONE)
+        return false;
+    c->seg[c->nseg++] = (struct client_seg){ c->out.size, p, n };
+    return true;
+}
+
 void pb_pack_tensor(msgpack_packer *pk, const pb_ctensor_t *t)
 {
     if (pk == NULL)
@@ -907,7 +999,7 @@ void pb_pack_tensor(msgpack_packer *pk, const pb_ctensor_t *t)
         size_t n = t->data != NULL ? t->nbytes : 0;
         pb_pack_str(pk, "data");
         msgpack_pack_bin(pk, n);
-        if (n > 0)
+        if (n > 0 && !client_defer(pk, t->data, n))
             msgpack_pack_bin_body(pk, t->data, n);
     }
 }

@@ -227,7 +227,11 @@ PB_CLIENT_API size_t pb_ctensor_itemsize(const char *dtype);
 PB_CLIENT_API size_t pb_ctensor_count(const pb_ctensor_t *t);
 
 /* Pack t as a tensor map {dtype, shape, order?, data} (or {dtype, shape,
- * order?, buffer, offset} when t->shm).  Packing failures surface at send. */
+ * order?, buffer, offset} when t->shm).  Packing failures surface at send.
+ * Into a client's request (the packer pb_client_begin() returned), data of
+ * 64 KiB and more is not copied: it is sent from t->data itself (sendmsg
+ * with an iovec of its own), so it must stay valid and unchanged until
+ * pb_client_send() returns. */
 PB_CLIENT_API void pb_pack_tensor(msgpack_packer *pk, const pb_ctensor_t *t);
 
 /* Read a tensor map.  -EINVAL when o is not a tensor as PROTOCOL section 2
