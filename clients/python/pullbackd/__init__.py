@@ -365,6 +365,20 @@ _LEN = {0xc4: (1, 0), 0xc5: (2, 0), 0xc6: (4, 0), 0xd9: (1, 0), 0xda: (2, 0), 0x
 _LEN_FMT = {1: ">B", 2: ">H", 4: ">I"}
 
 
+def _container(buf, pos, end):
+    """The map or array header at buf[pos]: (values per element, elements,
+    header bytes), elements None when the header is not all in buf[:end];
+    None when no container starts there."""
+    b = buf[pos]
+    if 0x80 <= b <= 0x9f:
+        return (2 if b <= 0x8f else 1), b & 0x0f, 1
+    if b in (0xdc, 0xdd, 0xde, 0xdf):
+        nlen = 2 if b in (0xdc, 0xde) else 4
+        n = struct.unpack_from(_LEN_FMT[nlen], buf, pos + 1)[0] if pos + 1 + nlen <= end else None
+        return (2 if b >= 0xde else 1), n, 1 + nlen
+    return None
+
+
 def _scan(buf, pos, end):
     """Walk one msgpack value of buf[pos:end] without decoding it: the end
     offset of the value, or -(bytes needed at least) when it is not all
@@ -375,13 +389,14 @@ def _scan(buf, pos, end):
             return -(pos + 1)
         b = buf[pos]
         pending -= 1
-        if b <= 0x7f or b >= 0xe0:
-            pos += 1
-        elif 0x80 <= b <= 0x8f:
-            pending += 2 * (b & 0x0f)
-            pos += 1
-        elif 0x90 <= b <= 0x9f:
-            pending += b & 0x0f
+        box = _container(buf, pos, end)
+        if box is not None:
+            per, n, size = box
+            if n is None:
+                return -(pos + size)
+            pending += per * n
+            pos += size
+        elif b <= 0x7f or b >= 0xe0:
             pos += 1
         elif 0xa0 <= b <= 0xbf:
             pos += 1 + (b & 0x1f)
@@ -393,13 +408,6 @@ def _scan(buf, pos, end):
                 return -(pos + 1 + nlen)
             n = struct.unpack_from(_LEN_FMT[nlen], buf, pos + 1)[0]
             pos += 1 + nlen + ext + n
-        elif b in (0xdc, 0xdd, 0xde, 0xdf):
-            nlen = 2 if b in (0xdc, 0xde) else 4
-            if pos + 1 + nlen > end:
-                return -(pos + 1 + nlen)
-            n = struct.unpack_from(_LEN_FMT[nlen], buf, pos + 1)[0]
-            pending += n * (2 if b >= 0xde else 1)
-            pos += 1 + nlen
         else:
             raise ConnectionError(f"pullbackd sent an invalid msgpack byte 0x{b:02x}")
     return pos if pos <= end else -pos
@@ -412,29 +420,15 @@ def _decode_inplace(view):
 
     def value(pos):
         b = view[pos]
-        if 0x80 <= b <= 0x8f or b in (0xde, 0xdf):
-            if b <= 0x8f:
-                n, pos = b & 0x0f, pos + 1
-            else:
-                nlen = 2 if b == 0xde else 4
-                n, pos = struct.unpack_from(_LEN_FMT[nlen], view, pos + 1)[0], pos + 1 + nlen
-            out = {}
-            for _ in range(n):
-                k, pos = value(pos)
+        box = _container(view, pos, len(view))
+        if box is not None:
+            per, n, size = box
+            items = []
+            pos += size
+            for _ in range(per * n):
                 v, pos = value(pos)
-                out[k] = v
-            return out, pos
-        if 0x90 <= b <= 0x9f or b in (0xdc, 0xdd):
-            if b <= 0x9f:
-                n, pos = b & 0x0f, pos + 1
-            else:
-                nlen = 2 if b == 0xdc else 4
-                n, pos = struct.unpack_from(_LEN_FMT[nlen], view, pos + 1)[0], pos + 1 + nlen
-            out = []
-            for _ in range(n):
-                v, pos = value(pos)
-                out.append(v)
-            return out, pos
+                items.append(v)
+            return (dict(zip(items[::2], items[1::2])) if per == 2 else items), pos
         if b in (0xc5, 0xc6):
             nlen = 2 if b == 0xc5 else 4
             n = struct.unpack_from(_LEN_FMT[nlen], view, pos + 1)[0]
