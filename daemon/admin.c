@@ -77,8 +77,9 @@ static void write_gauges(pb_req_t *r, pb_prom_t *p)
           (double)buf_bytes);
     gauge(p, "pullbackd_connections", "gauge", "Open client connections.", (double)pb_conns_count(rpc->conns));
     gauge(p, "pullbackd_buffered_bytes", "gauge",
-          "Bytes held for connections: unread input, requests' messages and expected replies, queued replies.",
-          (double)pb_conns_buffered(rpc->conns));
+          "Bytes held for connections (what max_buffered_bytes caps): read buffers, requests' messages and "
+          "expected replies, queued replies.",
+          (double)pb_conns_held(rpc->conns));
     gauge(p, "pullbackd_workers", "gauge", "Worker threads.", (double)rpc->pool.nthreads);
     gauge(p, "pullbackd_worker_busy_seconds_total", "counter",
           "Time the workers spent on requests (their own, and pieces of others').",

@@ -646,14 +646,6 @@ bool pb_conns_drained(const pb_conns_t *s)
     return true;
 }
 
-size_t pb_conns_buffered(const pb_conns_t *s)
-{
-    size_t n = 0;
-    for (const pb_conn_t *c = s->head; c; c = c->next)
-        n += c->len - c->start + c->reserved + c->pending_write + c->obuf.size;
-    return n;
-}
-
 bool pb_conns_written(const pb_conns_t *s)
 {
     for (const pb_conn_t *c = s->head; c; c = c->next)

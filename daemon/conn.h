@@ -176,9 +176,6 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener);
 void pb_conns_stop(pb_conns_t *s);
 /* Every message sent before the stop has been read. */
 bool pb_conns_drained(const pb_conns_t *s);
-/* Bytes held for all connections: unprocessed input, what their requests
- * hold or will queue (reserved), replies not yet written. */
-size_t pb_conns_buffered(const pb_conns_t *s);
 /* Every reply is written (a closing connection's do not count). */
 bool pb_conns_written(const pb_conns_t *s);
 /* The last read (glossary) on every connection. */
@@ -199,6 +196,8 @@ void pb_conn_request_done(pb_conn_t *c, size_t reserved);
 
 /* The accessors the layers above use instead of the fields. */
 static inline size_t pb_conns_count(const pb_conns_t *s) { return s->count; }
+/* The connections' held bytes (glossary), summed. */
+static inline size_t pb_conns_held(const pb_conns_t *s) { return s->held; }
 static inline void pb_conn_ref(pb_conn_t *c) { c->refs++; }
 /* A request of c begins: it counts as in flight until
  * pb_conn_request_done. */
