@@ -17,14 +17,6 @@ void pb_metrics_init(pb_metrics_t *m, const char *const *methods, int n)
     m->nmethods = n < PB_METRICS_MAX_METHODS ? n : PB_METRICS_MAX_METHODS;
 }
 
-int pb_metrics_method(const pb_metrics_t *m, const char *name, size_t len)
-{
-    for (int i = 0; i < m->nmethods; i++)
-        if (strlen(m->methods[i]) == len && memcmp(m->methods[i], name, len) == 0)
-            return i;
-    return m->nmethods;
-}
-
 void pb_metrics_observe(pb_metrics_t *m, int method, int code, uint64_t ns)
 {
     if (method < 0 || method > m->nmethods)

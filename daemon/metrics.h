@@ -41,8 +41,6 @@ extern const double PB_METRICS_BOUNDS[PB_METRICS_NBUCKETS];
 
 /* methods: n static names (n <= PB_METRICS_MAX_METHODS). */
 void pb_metrics_init(pb_metrics_t *m, const char *const *methods, int n);
-/* The slot of a method name of len bytes; "other" when unknown. */
-int pb_metrics_method(const pb_metrics_t *m, const char *name, size_t len);
 /* One request of method slot `method` ended with code (0 or PB_E*) after
  * ns nanoseconds. */
 void pb_metrics_observe(pb_metrics_t *m, int method, int code, uint64_t ns);

@@ -14,17 +14,6 @@
 
 static const char *const names[] = {"hello", "forward", "reverse"};
 
-static void method_slots(void **state)
-{
-    (void)state;
-    pb_metrics_t m;
-    pb_metrics_init(&m, names, 3);
-    assert_int_equal(pb_metrics_method(&m, "forward", 7), 1);
-    assert_int_equal(pb_metrics_method(&m, "forwar", 6), 3);
-    assert_int_equal(pb_metrics_method(&m, "forwardx", 8), 3);
-    assert_int_equal(pb_metrics_method(&m, "", 0), 3);
-}
-
 static void buckets(void **state)
 {
     (void)state;
@@ -99,7 +88,7 @@ static void text(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(method_slots), cmocka_unit_test(buckets),
+        cmocka_unit_test(buckets),
         cmocka_unit_test(numbers), cmocka_unit_test(text),
     };
     return cmocka_run_group_tests_name("unit.metrics", tests, NULL, NULL);
