@@ -17,7 +17,7 @@ typedef struct task {
 static pthread_mutex_t board_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t board_left = PTHREAD_COND_INITIALIZER; /* a helper left a task */
 static task_t *board;            /* published tasks, newest first */
-static atomic_int published;     /* tasks on the board */
+static atomic_int published;     /* tasks on the board with a chunk unclaimed */
 static pb_par_backend_t backend; /* .idle == NULL: none */
 static atomic_ullong ntasks, nhelped;
 
@@ -50,6 +50,10 @@ static long run_chunks(task_t *t)
         long i = atomic_fetch_add(&t->next, 1);
         if (i >= t->nchunks)
             return done;
+        /* The last chunk is claimed: nothing is left for helpers, so idle
+         * workers stop looking (pb_par_pending) while it runs. */
+        if (i == t->nchunks - 1)
+            atomic_fetch_sub_explicit(&published, 1, memory_order_release);
         long lo = i * t->chunk, hi = lo + t->chunk < t->n ? lo + t->chunk : t->n;
         t->fn(t->ctx, lo, hi);
         done++;
@@ -110,7 +114,6 @@ void pb_par_for(long n, long grain, pb_par_fn fn, void *ctx)
     while (*pp != &t)
         pp = &(*pp)->next_task;
     *pp = t.next_task;
-    atomic_fetch_sub_explicit(&published, 1, memory_order_release);
     while (t.helpers > 0)
         pthread_cond_wait(&board_left, &board_lock);
     pthread_mutex_unlock(&board_lock);
