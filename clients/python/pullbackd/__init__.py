@@ -429,10 +429,9 @@ def _decode_inplace(view):
                 v, pos = value(pos)
                 items.append(v)
             return (dict(zip(items[::2], items[1::2])) if per == 2 else items), pos
-        if b in (0xc5, 0xc6):
-            nlen = 2 if b == 0xc5 else 4
-            n = struct.unpack_from(_LEN_FMT[nlen], view, pos + 1)[0]
-            start = pos + 1 + nlen
+        if b == 0xc6:  # bin32: the only bin that can reach _BIG
+            n = struct.unpack_from(">I", view, pos + 1)[0]
+            start = pos + 5
             if n >= _BIG:
                 return ro[start:start + n], start + n
         end = _scan(view, pos, len(view))
@@ -574,7 +573,7 @@ class Client:
             raise ConnectionError("the client is closed")
         have = self._rend - self._rpos
         if self._rpos + need > len(self._rbuf):
-            size = max(need + (1 << 16), 1 << 16)
+            size = need + (1 << 16)
             nb = bytearray(size) if size >= _BIG_MESSAGE else bytearray(max(size, 2 * len(self._rbuf)))
             nb[:have] = memoryview(self._rbuf)[self._rpos:self._rend]
             self._rbuf, self._rpos, self._rend = nb, 0, have
@@ -589,7 +588,20 @@ class Client:
         """The next msgpack message off the socket."""
         need = 1
         while True:
-            if self._rend - self._rpos >= need:
+            have = self._rend - self._rpos
+            if 0 < have < _BIG_MESSAGE and have >= need:
+                # Small: msgpack's C unpacker finds the end; the Python scan
+                # below only runs when the message is not all here yet.
+                try:
+                    msg = msgpack.unpackb(memoryview(self._rbuf)[self._rpos:self._rend], raw=False)
+                    self._rpos = self._rend = 0
+                    return msg
+                except msgpack.ExtraData as e:
+                    self._rpos = self._rend - len(e.extra)
+                    return e.unpacked
+                except ValueError:
+                    pass  # incomplete: the scan says how many bytes are missing
+            if have >= need:
                 end = _scan(self._rbuf, self._rpos, self._rend)
                 if end >= 0:
                     start, self._rpos = self._rpos, end
