@@ -5,9 +5,6 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
-#ifdef __GLIBC__
-#include <malloc.h>
-#endif
 #include <string.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
@@ -43,16 +40,12 @@ void pb_conn_unref(pb_conn_t *c)
     msgpack_sbuffer_destroy(&c->obuf);
     msgpack_zone_destroy(&c->zone);
     free(c);
-#ifdef __GLIBC__
     /* Its replies were freed by now (writes and requests hold references),
      * but glibc keeps freed blocks of its arenas resident: a client that
      * made the daemon hold tens of MiB and left would leave the daemon
      * that much bigger for good. */
     if (trim)
-        malloc_trim(0);
-#else
-    (void)trim;
-#endif
+        pb_alloc_trim();
 }
 
 static void note_held(pb_conn_t *c)
@@ -244,23 +237,19 @@ void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
      * resident after free). */
     bool big = c->cap >= TRIM_AFTER(c);
     free(c->buf);
-#ifdef __GLIBC__
     if (big)
-        malloc_trim(0);
-#else
-    (void)big;
-#endif
+        pb_alloc_trim();
     c->buf = NULL;
     c->cap = c->len = c->start = 0;
     pb_scan_reset(&c->scan);
-    c->starved = false;
+    pb__conn_unstarve(c);
     answer_and_close(c, &err);
     pb__conn_account(c);
 }
 
 void pb__conn_resume(pb_conn_t *c)
 {
-    c->starved = false;
+    pb__conn_unstarve(c);
     if (!c->paused && !c->closing && !c->close_after_flush && !c->last_read)
         uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
 }
@@ -430,9 +419,10 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     /* Big replies move in fewer, larger writes (the kernel caps this at
      * net.core.wmem_max; measured here: 4.1 -> 5.2 GB/s). */
     int sndbuf = 4 << 20;
-    if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0)
+    bool have_fd = uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0;
+    if (have_fd)
         setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
-    if (uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0 && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0) {
+    if (have_fd && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0) {
         c->uid = cr.uid;
         c->pid = cr.pid;
     } else {
@@ -542,6 +532,7 @@ static void flush(pb_conn_t *c)
         int n = uv_try_write((uv_stream_t *)&c->pipe, &b, 1);
         if (n == (int)c->obuf.size) {
             c->obuf.size = 0;
+            pb__conn_account(c);
             return;
         }
         if (n > 0) {

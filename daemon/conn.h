@@ -115,6 +115,7 @@ typedef struct pb_conns {
     pb_conn_t *dirty;              /* those with replies to flush */
     size_t count;
     size_t held;                   /* the connections' held bytes summed */
+    size_t nstarved;               /* connections starved now */
     pb_uid_use_t *uids;            /* per uid with a connection (malloc, the set's;
                                     * freed when the last connection goes) */
     size_t nuids, capuids;
@@ -231,6 +232,8 @@ bool pb__conns_admit(pb_conns_t *s, uid_t uid);
 void pb__conns_closed(pb_conns_t *s, pb_conn_t *c);
 /* c is freed: give back its held bytes. */
 void pb__conns_leave(pb_conns_t *s, pb_conn_t *c);
+/* c is no longer starved (resumed, refused or closing). */
+void pb__conn_unstarve(pb_conn_t *c);
 /* Count c's held bytes again; when they shrank, resume starved ones. */
 void pb__conn_account(pb_conn_t *c);
 /* May c's read buffer grow by more bytes under both caps? */

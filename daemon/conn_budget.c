@@ -32,6 +32,7 @@ bool pb__conns_admit(pb_conns_t *s, uid_t uid)
 
 void pb__conns_closed(pb_conns_t *s, pb_conn_t *c)
 {
+    pb__conn_unstarve(c);
     pb_uid_use_t *u = uid_use(s, c->uid);
     if (u)
         u->open--;
@@ -60,11 +61,19 @@ void pb__conns_leave(pb_conns_t *s, pb_conn_t *c)
  * anew if its buffer still may not grow). */
 static void wake(pb_conns_t *s)
 {
-    if (s->held >= s->cfg->max_buffered_bytes)
-        return;
+    if (s->nstarved == 0 || s->held >= s->cfg->max_buffered_bytes)
+        return; /* the usual case, on every answered request: no walk */
     for (pb_conn_t *c = s->head; c; c = c->next)
         if (c->starved)
             pb__conn_resume(c);
+}
+
+void pb__conn_unstarve(pb_conn_t *c)
+{
+    if (c->starved) {
+        c->starved = false;
+        c->set->nstarved--;
+    }
 }
 
 void pb__conn_account(pb_conn_t *c)
@@ -96,10 +105,12 @@ void pb__conn_starve(pb_conn_t *c)
 {
     pb_conns_t *s = c->set;
     const pb_config_t *cfg = s->cfg;
-    if (!c->starved)
+    if (!c->starved) {
         pb_log(PB_LOG_INFO, "connection %llu (uid %u): buffering cap reached (%zu bytes held); reading paused",
                (unsigned long long)c->id, (unsigned)c->uid, s->held);
-    c->starved = true;
+        c->starved = true;
+        s->nstarved++;
+    }
     uv_read_stop((uv_stream_t *)&c->pipe);
     /* A request in flight gives its bytes back when it is answered, and
      * wakes the starved then. */
