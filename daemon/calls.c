@@ -140,7 +140,6 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
     x->peer_scope = ex.peer_scope;
     x->ttl_ms = ex.ttl_ms;
     x->seed = ex.seed;
-    x->reply_bytes = ex.reply_bytes;
     if (kind == PB_CALL_AUGMENTED) {
         pb_tape_list_t *mine = pb_conn_tapes(c);
         if (mine->n >= rpc->cfg->max_tapes_per_connection) {
@@ -155,7 +154,7 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
     }
     /* A check answers with a few numbers. */
     if (kind != PB_CALL_CHECK)
-        pb__req_reserve(r, x->reply_bytes);
+        pb__req_reserve(r, ex.reply_bytes);
     r->encode = kind == PB_CALL_FORWARD     ? pb__enc_forward
                 : kind == PB_CALL_AUGMENTED ? pb__enc_augmented
                                             : pb__enc_check;

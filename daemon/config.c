@@ -137,6 +137,12 @@ const pb_setting_t *pb_config_settings(size_t *n)
 
 static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t errlen);
 
+size_t pb_config_phys_memory(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    return pages > 0 && psz > 0 ? (size_t)pages * (size_t)psz : 0;
+}
+
 /* The rows' defaults; workers is the number of CPUs, and the socket is
  * left empty for the chain (default_socket) once flags and file are in. */
 static void defaults(pb_config_t *c)
@@ -153,8 +159,7 @@ static void defaults(pb_config_t *c)
     /* Buffering caps from the machine's memory: a quarter of it for all
      * connections (never under 512M, so that the default 256M message and
      * its reply fit), half of that per uid. */
-    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-    size_t mem = pages > 0 && psz > 0 ? (size_t)pages * (size_t)psz : 0;
+    size_t mem = pb_config_phys_memory();
     c->max_buffered_bytes = mem / 4 > ((size_t)512 << 20) ? mem / 4 : (size_t)512 << 20;
     c->max_buffered_bytes_per_uid = c->max_buffered_bytes / 2;
 }

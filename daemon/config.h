@@ -110,6 +110,8 @@ typedef struct pb_config_limit {
     const char *name;
     unsigned long long value;
 } pb_config_limit_t;
+/* The machine's memory in bytes (0 when unknown): defaults and stats. */
+size_t pb_config_phys_memory(void);
 /* Fill out (PB_CONFIG_MAX_LIMITS entries) with c's limits; their count. */
 int pb_config_limits(const pb_config_t *c, pb_config_limit_t *out);
 

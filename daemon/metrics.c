@@ -164,20 +164,17 @@ void pb_metrics_write(const pb_metrics_t *m, pb_prom_t *p)
         }
     pb_prom_family(p, "pullbackd_request_duration_seconds", "histogram",
                    "Time from a request's arrival to its reply being queued.");
+    char le[PB_METRICS_NBUCKETS + 1][32]; /* the bounds' text, once per scrape */
+    for (int b = 0; b < PB_METRICS_NBUCKETS; b++)
+        pb_prom_number(le[b], PB_METRICS_BOUNDS[b]);
+    strcpy(le[PB_METRICS_NBUCKETS], "+Inf");
     for (int i = 0; i <= m->nmethods; i++) {
         if (i == m->nmethods && m->observed[i] == 0)
             continue;
         uint64_t cum = 0;
-        char le[32];
         for (int b = 0; b <= PB_METRICS_NBUCKETS; b++) {
-            if (b < PB_METRICS_NBUCKETS) {
-                cum += m->bucket[i][b];
-                pb_prom_number(le, PB_METRICS_BOUNDS[b]);
-            } else {
-                cum = m->observed[i];
-                strcpy(le, "+Inf");
-            }
-            pb_label_t l[] = {{"method", method_name(m, i)}, {"le", le}, {NULL, NULL}};
+            cum = b < PB_METRICS_NBUCKETS ? cum + m->bucket[i][b] : m->observed[i];
+            pb_label_t l[] = {{"method", method_name(m, i)}, {"le", le[b]}, {NULL, NULL}};
             pb_prom_sample(p, "pullbackd_request_duration_seconds_bucket", l, (double)cum);
         }
         pb_label_t l[] = {{"method", method_name(m, i)}, {NULL, NULL}};

@@ -2,7 +2,6 @@
  * the request that computed it. */
 #include "reply.h"
 
-#include <unistd.h>
 
 #include "catalogue.h"
 #include "rpc.h"
@@ -138,12 +137,6 @@ void pb__enc_hello(pb_req_t *r, pb_out_t *o)
     }
 }
 
-static size_t phys_memory(void)
-{
-    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
-    return pages > 0 && psz > 0 ? (size_t)pages * (size_t)psz : 0;
-}
-
 void pb__enc_stats(pb_req_t *r, pb_out_t *o)
 {
     pb_rpc_t *s = r->rpc;
@@ -184,7 +177,7 @@ void pb__enc_stats(pb_req_t *r, pb_out_t *o)
     pb_out_str(o, "name");
     pb_out_str(o, "cpu");
     pb_out_str(o, "memory_bytes");
-    msgpack_pack_uint64(&o->pk, phys_memory());
+    msgpack_pack_uint64(&o->pk, pb_config_phys_memory());
     pb_out_str(o, "peers");
     msgpack_pack_array(&o->pk, npeers);
     for (size_t i = 0; i < s->tapes.npeers; i++) {

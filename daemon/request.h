@@ -99,7 +99,6 @@ struct pb_req {
             pb_tape_t *made;       /* the tape augmented_forward created */
             uint64_t seed;         /* check */
             double max_rel, per_input[PB_MAX_IO + 2]; /* check's results */
-            size_t reply_bytes;    /* the outputs' bytes in the reply */
         } call;
         /* reverse.  Owns cot and grad. */
         struct pb_req_reverse {
