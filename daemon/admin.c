@@ -11,12 +11,20 @@
 #include "reply.h"
 #include "rpc.h"
 
-static void m_simple(pb_req_t *r, const msgpack_object *params, void (*enc)(pb_req_t *, pb_out_t *))
+/* These methods take no params: any key is invalid_argument (r failed). */
+static bool no_params(pb_req_t *r, const msgpack_object *params)
 {
     static const char *const none[] = {NULL};
     int rc = pb_request_check_keys(params, none, &r->err);
     if (rc)
-        return pb__req_fail(r, rc);
+        pb__req_fail(r, rc);
+    return rc == 0;
+}
+
+static void m_simple(pb_req_t *r, const msgpack_object *params, void (*enc)(pb_req_t *, pb_out_t *))
+{
+    if (!no_params(r, params))
+        return;
     r->encode = enc;
     pb__req_finish(r);
 }
@@ -115,10 +123,8 @@ static void write_gauges(pb_req_t *r, pb_prom_t *p)
 void pb__m_metrics(pb_req_t *r, const msgpack_object *params, pb_storage_t *m)
 {
     (void)m;
-    static const char *const none[] = {NULL};
-    int rc = pb_request_check_keys(params, none, &r->err);
-    if (rc)
-        return pb__req_fail(r, rc);
+    if (!no_params(r, params))
+        return;
     pb_rpc_sweep(r->rpc);
     pb_prom_t p;
     pb_prom_init(&p);
@@ -138,10 +144,8 @@ void pb__m_metrics(pb_req_t *r, const msgpack_object *params, pb_storage_t *m)
 
 static void m_admin(pb_req_t *r, const msgpack_object *params, bool shutdown)
 {
-    static const char *const none[] = {NULL};
-    int rc = pb_request_check_keys(params, none, &r->err);
-    if (rc)
-        return pb__req_fail(r, rc);
+    if (!no_params(r, params))
+        return;
     if (!pb__req_admin(r)) {
         pb_err_set(&r->err, PB_EPERMISSION_DENIED, NULL, "%s is allowed only for uid 0 and the daemon's uid %u",
                    shutdown ? "shutdown" : "drain", (unsigned)r->rpc->self_uid);

@@ -27,7 +27,7 @@ typedef void gemm_fn(CBLAS_ORDER layout, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb,
                      int ldc);
 static gemm_fn *const gemms[PB_NDTYPES] = PB_T_FNS(gemm);
 
-static CBLAS_TRANSPOSE tr(char t)
+int pb_blas_trans(char t)
 {
     return t == 'N' ? CblasNoTrans : t == 'T' ? CblasTrans : CblasConjTrans;
 }
@@ -35,7 +35,7 @@ static CBLAS_TRANSPOSE tr(char t)
 static void gemm_serial(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a,
                         int lda, const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
 {
-    gemms[d](CblasColMajor, tr(ta), tr(tb), m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    gemms[d](CblasColMajor, pb_blas_trans(ta), pb_blas_trans(tb), m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 /* A GEMM of at least this many multiply-adds is split across idle threads

@@ -36,6 +36,10 @@ struct pb_scalar;
 void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, struct pb_scalar alpha, const void *a, int lda,
                 const void *b, int ldb, struct pb_scalar beta, void *c, int ldc);
 
+/* CBLAS's transpose (a CBLAS_TRANSPOSE value) for 'N', 'T' or 'C'; an int
+ * so that this header need not pull in cblas.h and its complex.h. */
+int pb_blas_trans(char t);
+
 /* Keep BLAS single-threaded: the worker pool supplies the parallelism. */
 void pb_blas_init_threads(int n);
 

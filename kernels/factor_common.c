@@ -55,11 +55,6 @@ void pb__fz_resolve(const pb_op_t *op, const pb_optval_t *opt, double amax, pb_d
 #undef GIVEN
 }
 
-CBLAS_TRANSPOSE pb__fz_tr(char t)
-{
-    return t == 'N' ? CblasNoTrans : t == 'T' ? CblasTrans : CblasConjTrans;
-}
-
 /* ---- validation ----------------------------------------------------------- */
 
 int pb__fz_check(pb_call_t *c, bool square, pb_err_t *err)

@@ -43,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "blas.h"
 #include "dtype_t.h"
 #include "op.h"
 
@@ -76,7 +77,6 @@ int pb__fz_opt(const pb_op_t *op, const char *name);
  * = eps(max|A_ij|)^(3/4), herm_atol = √eps·max|A_ij|, maxrank = k.  The
  * default gauge_atol needs the cotangents and is set by the reverse. */
 void pb__fz_resolve(const pb_op_t *op, const pb_optval_t *opt, double amax, pb_dtype_t d, int k, fz_opts_t *o);
-CBLAS_TRANSPOSE pb__fz_tr(char t);
 
 /* Validation, shared: A a matrix small enough for LAPACK (square when
  * asked), maxrank and the tolerances in range. */
@@ -155,6 +155,7 @@ extern const int pb_fz_qr_nops, pb_fz_eigh_nops, pb_fz_eig_nops, pb_fz_svd_nops,
 
 /* The per-dtype helpers (factor_common_t.h), declared for each dtype. */
 #define PB_T_BODY "factor_common_p.h"
+#include "blas.h"
 #include "dtype_t.h"
 
 #endif

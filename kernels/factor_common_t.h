@@ -17,7 +17,7 @@ void FZ(gemm)(char ta, char tb, int m, int n, int k, T alpha, const T *a, int ld
 {
     if (m <= 0 || n <= 0)
         return;
-    CBLAS(gemm)(CblasColMajor, pb__fz_tr(ta), pb__fz_tr(tb), m, n, k < 0 ? 0 : k, SCAL(alpha), a, LD(lda), b, LD(ldb),
+    CBLAS(gemm)(CblasColMajor, pb_blas_trans(ta), pb_blas_trans(tb), m, n, k < 0 ? 0 : k, SCAL(alpha), a, LD(lda), b, LD(ldb),
                 SCAL(beta), c, LD(ldc));
 }
 

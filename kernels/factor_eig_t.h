@@ -4,12 +4,6 @@
  * runs, in the complex instance (dtype_t.h instantiates c and z first).
  * The tape keeps D and V (eig_vals: V only). */
 
-static CT *FN(newmat_c)(pb_tensor_t *t, int m, int n)
-{
-    uint64_t sh[2] = {(uint64_t)m, (uint64_t)(n < 0 ? 1 : n)};
-    return pb_tensor_alloc(t, CDT, n < 0 ? 1 : 2, sh, 'F', true) ? NULL : pb_tensor_data(t);
-}
-
 /* A = V·diag(D)·V⁻¹ through geev (A overwritten); D and V complex (CT),
  * m×m, as geev gives them (unit-norm columns).  fz_eig_finish then fixes
  * order and phases. */
@@ -171,7 +165,7 @@ static int FN(eig_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor_
                        pb_err_t *err)
 {
     const int m = (int)c->in[0].shape[0];
-    CT *D = FN(newmat_c)(&sv[0], m, -1), *V = FN(newmat_c)(&sv[1], m, m);
+    CT *D = FZC(newmat)(&sv[0], m, -1), *V = FZC(newmat)(&sv[1], m, m);
     int rc = PB_ENOMEM;
     (void)op;
     if (D && V && (rc = FN(eig_geev)(A, m, D, V, err)) == 0 && (rc = PB_CAT(eig_finish, CSFX)(D, V, m)) == 0) {

@@ -17,7 +17,7 @@ static void FN(trsm_right)(char op, int m, int n, const T *U, int ldu, T *X, int
     if (m <= 0 || n <= 0)
         return;
     T one = 1;
-    CBLAS(trsm)(CblasColMajor, CblasRight, CblasUpper, pb__fz_tr(op), CblasNonUnit, m, n, SCAL(one), U, LD(ldu), X,
+    CBLAS(trsm)(CblasColMajor, CblasRight, CblasUpper, pb_blas_trans(op), CblasNonUnit, m, n, SCAL(one), U, LD(ldu), X,
                 LD(ldx));
 }
 

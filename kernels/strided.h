@@ -36,6 +36,16 @@ typedef struct pb_loop {
     int64_t s[3][PB_MAX_RANK]; /* operand strides in elements: see each call */
 } pb_loop_t;
 
+/* Exchange the strides of operands 0 and 1 (write through what was read). */
+static inline void pb_loop_swap01(pb_loop_t *L)
+{
+    for (int k = 0; k < L->rank; k++) {
+        int64_t tmp = L->s[0][k];
+        L->s[0][k] = L->s[1][k];
+        L->s[1][k] = tmp;
+    }
+}
+
 /* Element strides of a dense tensor of this rank/shape in order 'C' or 'F'. */
 void pb_dense_strides(int rank, const uint64_t *shape, char order, int64_t *stride);
 

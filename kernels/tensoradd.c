@@ -109,21 +109,13 @@ static int ta_reverse(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_
     if (t->wrt & (1u << TA_A)) { /* Ā[p[d]…] = conj(α)·G, or α·conj(G) for conjA */
         pb_tview_t va = pb_tview_of(&grad[TA_A]);
         add_loop(&L, p, &vg, &va, NULL);
-        for (int k = 0; k < L.rank; k++) { /* write through p, read G as it lies */
-            int64_t tmp = L.s[0][k];
-            L.s[0][k] = L.s[1][k];
-            L.s[1][k] = tmp;
-        }
+        pb_loop_swap01(&L); /* write through p, read G as it lies */
         pb_strided(d, &L, va.p, vg.p, cj, cj ? alpha : sconj(alpha), NULL, ZERO, false);
     }
     if (t->wrt & (1u << T1_WALPHA)) { /* ᾱ = ⟨permute(opA(A)), G⟩ */
         pb_tview_t va = pb_tview_of(&t->saved[SAVED_A]);
         add_loop(&L, p, &vg, &va, NULL);
-        for (int k = 0; k < L.rank; k++) {
-            int64_t tmp = L.s[0][k];
-            L.s[0][k] = L.s[1][k];
-            L.s[1][k] = tmp;
-        }
+        pb_loop_swap01(&L);
         pb__tops_put_scalar(&grad[T1_WALPHA], pb_strided_dot(d, &L, va.p, cj, vg.p), &t->opt[TA_ALPHA]);
     }
     pb__tops_grads_c_beta(t, G, grad, TA_C, TA_BETA, T1_WBETA);

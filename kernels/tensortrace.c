@@ -101,15 +101,6 @@ static void trace_loop(pb_loop_t *L, const trace_spec_t *s, const pb_tview_t *y,
     }
 }
 
-static void swap_slots(pb_loop_t *L)
-{
-    for (int k = 0; k < L->rank; k++) {
-        int64_t tmp = L->s[0][k];
-        L->s[0][k] = L->s[1][k];
-        L->s[1][k] = tmp;
-    }
-}
-
 static int tt_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
 {
     const pb_tensor_t *A = &c->in[TA_A];
@@ -164,13 +155,13 @@ static int tt_reverse(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_
     if (t->wrt & (1u << TA_A)) { /* the diagonal of Ā = conj(α)·G (α·conj(G) for conjA) */
         pb_tview_t va = pb_tview_of(&grad[TA_A]);
         trace_loop(&L, &s, &vg, &va);
-        swap_slots(&L);
+        pb_loop_swap01(&L);
         pb_strided(d, &L, va.p, vg.p, cj, cj ? alpha : sconj(alpha), NULL, ZERO, false);
     }
     if (t->wrt & (1u << T1_WALPHA)) { /* ᾱ = ⟨trace(opA(A)), G⟩ */
         pb_tview_t va = pb_tview_of(&t->saved[SAVED_A]);
         trace_loop(&L, &s, &vg, &va);
-        swap_slots(&L);
+        pb_loop_swap01(&L);
         pb__tops_put_scalar(&grad[T1_WALPHA], pb_strided_dot(d, &L, va.p, cj, vg.p), &t->opt[TT_ALPHA]);
     }
     pb__tops_grads_c_beta(t, G, grad, TA_C, TT_BETA, T1_WBETA);
