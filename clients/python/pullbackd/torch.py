@@ -148,15 +148,22 @@ class _Spec:
         self.releaser = None
 
 
+def _wire(names, tensors, options, scalars):
+    """(inputs, options) as the client sends them: scalar inputs (alpha,
+    beta) become options, the rest numpy arrays."""
+    inputs, options = {}, dict(options)
+    for name, t in zip(names, tensors):
+        if name in scalars:
+            options[name] = _scalar_value(name, t)
+        else:
+            inputs[name] = _to_numpy(name, t)
+    return inputs, options
+
+
 class _DaemonOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, *tensors):
-        inputs, options = {}, dict(spec.options)
-        for name, t in zip(spec.names, tensors):
-            if name in spec.scalars:
-                options[name] = _scalar_value(name, t)
-            else:
-                inputs[name] = _to_numpy(name, t)
+        inputs, options = _wire(spec.names, tensors, spec.options, spec.scalars)
         wrt = [n for n, need in zip(spec.names, ctx.needs_input_grad[1:]) if need]
         client = spec.client
         with _lock(client):
@@ -222,10 +229,7 @@ def call(op, inputs, options=None, client=None, *, ttl_s=None):
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors.values())
     if not needs_grad:
-        wire_options = dict(options)
-        for k in scalars:
-            wire_options[k] = _scalar_value(k, tensors.pop(k))
-        wire_inputs = {k: _to_numpy(k, t) for k, t in tensors.items()}
+        wire_inputs, wire_options = _wire(list(tensors), list(tensors.values()), options, set(scalars))
         with _lock(client):
             outputs = client.forward(op, wire_inputs, options=wire_options or None)
         return {k: _to_torch(v) for k, v in outputs.items()}
