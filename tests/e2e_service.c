@@ -254,10 +254,18 @@ static void write_file(const char *path, const char *text)
 
 /* ---- requests ------------------------------------------------------------- */
 
+/* A client of d.  A socket file appears at bind(), a moment before the
+ * listen() that lets connect() in (systemd-socket-activate does both for
+ * several sockets in turn): ECONNREFUSED in that moment is retried. */
 static pb_client_t *conn(const daemon_t *d)
 {
     pb_client_t *c = NULL;
-    assert_int_equal(pb_client_connect(d->path, &c), 0);
+    int rc = pb_client_connect(d->path, &c);
+    for (int i = 0; i < 500 && rc == -ECONNREFUSED; i++) {
+        usleep(10000);
+        rc = pb_client_connect(d->path, &c);
+    }
+    assert_int_equal(rc, 0);
     return c;
 }
 
