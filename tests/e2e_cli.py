@@ -247,15 +247,22 @@ class Running(DaemonCase):
         def counts():
             m = parse_metrics(ctl("metrics", env={"PULLBACKD_SOCKET": self.path})[1])
             return m["pullbackd_split_tasks_total"], m["pullbackd_split_pieces_helped_total"]
+        # Whether the woken worker claims a piece before the requesting one
+        # has run them all depends on the scheduler: on a loaded 2-core
+        # machine (meson runs tests side by side) it may come too late for
+        # one request, so the test allows a few tries.
         t0, h0 = counts()
         rng = np.random.default_rng(5)
         A, B = rng.standard_normal((700, 700)), rng.standard_normal((700, 700))
         with pullbackd.Client(self.path) as c:
-            C = c.forward("tensorcontract", {"A": A, "B": B}, options={"spec": "ij,jk->ik"})["C"]
-        np.testing.assert_allclose(C, A @ B, rtol=1e-12, atol=1e-10)
-        t1, h1 = counts()
+            for tries in range(1, 21):
+                C = c.forward("tensorcontract", {"A": A, "B": B}, options={"spec": "ij,jk->ik"})["C"]
+                np.testing.assert_allclose(C, A @ B, rtol=1e-12, atol=1e-10)
+                t1, h1 = counts()
+                if h1 > h0:
+                    break
         self.assertGreaterEqual(t1 - t0, 1)
-        self.assertGreaterEqual(h1 - h0, 1)
+        self.assertGreaterEqual(h1 - h0, 1, f"no piece helped in {tries} requests")
 
     @unittest.skipUnless(os.geteuid() == 0, "needs root to run as another uid")
     def test_socket_mode_denies(self):
