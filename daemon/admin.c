@@ -97,6 +97,15 @@ static void write_gauges(pb_req_t *r, pb_prom_t *p)
     gauge(p, "pullbackd_split_tasks_total", "counter", "Kernel steps split across idle workers.", (double)split);
     gauge(p, "pullbackd_split_pieces_helped_total", "counter", "Pieces of split steps that idle workers ran.",
           (double)helped);
+    pb_mem_stats_t ms;
+    pb_mem_stats(&ms);
+    gauge(p, "pullbackd_memory_cached_bytes", "gauge",
+          "Freed large blocks kept mapped for reuse (what memory-cache caps; idle-trim empties it).",
+          (double)ms.cached_bytes);
+    gauge(p, "pullbackd_memory_large_bytes", "gauge", "Large blocks mapped: in use or cached.",
+          (double)ms.mapped_bytes);
+    gauge(p, "pullbackd_memory_cache_hits_total", "counter", "Large blocks served from the cache.", (double)ms.hits);
+    gauge(p, "pullbackd_memory_cache_misses_total", "counter", "Large blocks mapped afresh.", (double)ms.misses);
     gauge(p, "pullbackd_requests_served_total", "counter", "Requests answered since start.",
           (double)rpc->requests_served);
     gauge(p, "pullbackd_uptime_seconds", "gauge", "Seconds since the daemon started.",

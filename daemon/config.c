@@ -120,6 +120,8 @@ static const pb_setting_t keys[] = {
      "max_connections_per_uid", "N", "open connections of one uid"},
     {"drain-timeout", PB_SET_SECONDS, FIELD(drain_timeout_s), "30", 0, 1000000000, true, NULL, "S",
      "seconds to finish in-flight work on SIGTERM"},
+    {"memory-cache", PB_SET_SIZE, FIELD(memory_cache_bytes), NULL, 0, 0, true, NULL, "N",
+     "freed tensor and message memory kept mapped for reuse\n(default: an eighth of the memory, 0: none)"},
     {"idle-trim", PB_SET_SECONDS, FIELD(idle_trim_s), "10", 0, 1000000000, true, NULL, "S",
      "seconds without requests before memory kept for reuse\ngoes back to the system (0: never)"},
     {"log-level", PB_SET_LOG, FIELD(log_level), "info", 0, 0, true, NULL, "LEVEL",
@@ -162,6 +164,8 @@ static void defaults(pb_config_t *c)
     size_t mem = pb_config_phys_memory();
     c->max_buffered_bytes = mem / 4 > ((size_t)512 << 20) ? mem / 4 : (size_t)512 << 20;
     c->max_buffered_bytes_per_uid = c->max_buffered_bytes / 2;
+    /* Big blocks kept for reuse (kernels/mem.h): an eighth of the memory. */
+    c->memory_cache_bytes = mem / 8;
 }
 
 int pb_config_limits(const pb_config_t *c, pb_config_limit_t *out)

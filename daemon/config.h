@@ -50,6 +50,7 @@ typedef struct pb_config {
     size_t max_buffered_bytes_per_uid;       /* the same, per uid */
     size_t max_connections_per_uid;          /* open connections of one uid */
     double drain_timeout_s;
+    size_t memory_cache_bytes;               /* freed large blocks kept mapped (kernels/mem.h) */
     double idle_trim_s;                      /* idle seconds before the heap is trimmed; 0: never */
     int log_level;
     /* Where the settings came from: the file that was read ("" when the

@@ -36,16 +36,17 @@ void pb_conn_unref(pb_conn_t *c)
     bool trim = c->held_max >= TRIM_AFTER(c);
     pb__conns_leave(c->set, c);
     pb_buffers_destroy(&c->buffers); /* emptied at close already; this frees the table */
-    free(c->buf);
+    pb_mem_release(c->buf); /* back to the system, not kept for reuse */
     msgpack_sbuffer_destroy(&c->obuf);
     msgpack_zone_destroy(&c->zone);
     free(c);
     /* Its replies were freed by now (writes and requests hold references),
      * but glibc keeps freed blocks of its arenas resident: a client that
      * made the daemon hold tens of MiB and left would leave the daemon
-     * that much bigger for good. */
+     * that much bigger for good.  (Large blocks went to the cache, which
+     * its cap bounds and idle-trim empties.) */
     if (trim)
-        pb_alloc_trim();
+        pb_alloc_trim_heap();
 }
 
 static void note_held(pb_conn_t *c)
@@ -148,12 +149,17 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
             b->len = 0;
             return;
         }
-        char *nb = realloc(c->buf, ncap);
+        /* A new block, not realloc: a big one comes from the cache of
+         * freed blocks (kernels/mem.h), already paged in. */
+        char *nb = pb_mem_block(ncap);
         if (nb == NULL) {
             b->base = NULL;
             b->len = 0;
             return;
         }
+        if (c->len)
+            memcpy(nb, c->buf, c->len);
+        pb_mem_free(c->buf);
         c->buf = nb;
         c->cap = ncap;
         pb__conn_account(c);
@@ -170,13 +176,13 @@ static pb_storage_t *take_message(pb_conn_t *c, size_t n)
     if (n >= BIG_MESSAGE && c->start == 0) {
         size_t rest = c->len - n;
         size_t ncap = rest + READ_CHUNK * 2;
-        char *nb = malloc(ncap);
+        char *nb = pb_mem_block(ncap);
         if (nb == NULL)
             return NULL;
         memcpy(nb, c->buf + n, rest);
-        pb_storage_t *s = pb_storage_view(c->buf, n, free, c->buf);
+        pb_storage_t *s = pb_storage_view(c->buf, n, pb_mem_free, c->buf);
         if (s == NULL) {
-            free(nb);
+            pb_mem_free(nb);
             return NULL;
         }
         c->buf = nb;
@@ -232,13 +238,12 @@ void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
     pb_err_set(&err, PB_ERESOURCE_EXHAUSTED, NULL, "%s; closing the connection", why);
     pb_log(PB_LOG_NOTICE, "connection %llu (uid %u): resource_exhausted: %s", (unsigned long long)c->id,
            (unsigned)c->uid, why);
-    /* Its incomplete message goes now: that memory is what others wait for
-     * (and back to the system: a buffer grown in glibc's heap would stay
-     * resident after free). */
+    /* Its incomplete message goes now, back to the system: that memory is
+     * what others wait for. */
     bool big = c->cap >= TRIM_AFTER(c);
-    free(c->buf);
+    pb_mem_release(c->buf);
     if (big)
-        pb_alloc_trim();
+        pb_alloc_trim_heap();
     c->buf = NULL;
     c->cap = c->len = c->start = 0;
     pb_scan_reset(&c->scan);

@@ -134,6 +134,7 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     s->argv = argv;
     s->default_config = default_config;
     pb_blas_init_threads(1);
+    pb_mem_set_cap(s->cfg.memory_cache_bytes);
     pb_conns_init(&s->conns, loop, &s->cfg,
                   (pb_conn_cbs_t){.on_message = on_message, .on_close = on_conn_close, .on_idle = on_idle,
                                   .data = s});
@@ -322,6 +323,7 @@ void pb_server_reload(pb_server_t *s)
     s->rpc.tapes.max_bytes = n.max_tape_bytes;
     s->rpc.tapes.max_bytes_per_uid = n.max_tape_bytes_per_uid;
     pb_log_level = n.log_level;
+    pb_mem_set_cap(s->cfg.memory_cache_bytes);
     pb_log(PB_LOG_NOTICE, "reloaded %s: %d settings changed, %d need a restart",
            n.config_file[0] ? n.config_file : "(no config file)", ctx.applied, ctx.refused);
     /* A changed in-flight or queued-bytes limit needs no wake-up: a

@@ -36,57 +36,6 @@ int pb_dtype_parse(const char *s, size_t len, pb_dtype_t *out)
     return PB_EINVALID_ARGUMENT;
 }
 
-void pb_alloc_init(void)
-{
-    /* glibc maps every block above 32 MiB (the dynamic threshold's cap)
-     * with mmap and unmaps it on free, so each large gradient costs a
-     * fresh zeroed page per 4 KiB.  Keeping blocks up to 1 GiB in the heap
-     * and trimming only above 1 GiB free lets the next request reuse them. */
-    mallopt(M_MMAP_THRESHOLD, 1 << 30);
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
-}
-
-void pb_alloc_trim(void)
-{
-    /* The cache above is glibc's heap: hand its free pages back (all
-     * arenas, holes included) once the daemon has been idle a while. */
-    malloc_trim(0);
-}
-
-void *pb_mem_alloc(size_t size)
-{
-    /* malloc and align by hand, the block's address kept just before the
-     * aligned one: glibc does not hand a freed aligned_alloc or
-     * posix_memalign block to a later request, so every large tensor would
-     * page-fault fresh memory (measured: ~6 MB of faults per round of a
-     * 4 MiB and two 1 MiB tensors, none with malloc). */
-    size_t total = size + PB_ALIGN + sizeof(void *) + PB_TAIL_SLACK(size);
-    if (total < size)
-        return NULL;
-    void *block = malloc(total);
-    if (block == NULL)
-        return NULL;
-    uintptr_t a = ((uintptr_t)block + sizeof(void *) + PB_ALIGN - 1) & ~(uintptr_t)(PB_ALIGN - 1);
-    ((void **)a)[-1] = block;
-    return (void *)a;
-}
-
-void *pb_mem_calloc(size_t n, size_t size)
-{
-    if (size != 0 && n > SIZE_MAX / size)
-        return NULL;
-    size_t bytes = n * size, total = bytes + PB_TAIL_SLACK(bytes);
-    if (total < bytes)
-        return NULL;
-    return calloc(1, total);
-}
-
-void pb_mem_free(void *p)
-{
-    if (p)
-        free(((void **)p)[-1]);
-}
-
 static void heap_free(pb_storage_t *s)
 {
     pb_mem_free(s->ptr);
@@ -99,13 +48,11 @@ pb_storage_t *pb_storage_new(size_t size, bool zero)
         return NULL;
     /* never 0 bytes, so a zero-size tensor still has a valid, unique
      * pointer */
-    s->ptr = pb_mem_alloc(size ? size : 1);
+    s->ptr = zero ? pb_mem_zalloc(size ? size : 1) : pb_mem_alloc(size ? size : 1);
     if (s->ptr == NULL) {
         free(s);
         return NULL;
     }
-    if (zero)
-        memset(s->ptr, 0, size);
     atomic_init(&s->refs, 1);
     s->kind = PB_STORAGE_HEAP;
     s->device = (pb_device_t){PB_DEV_CPU, 0};

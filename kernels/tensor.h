@@ -22,6 +22,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "mem.h"
+
 #define PB_MAX_RANK 16
 #define PB_ALIGN 64
 
@@ -45,7 +47,7 @@ typedef struct pb_device {
 } pb_device_t;
 
 typedef enum pb_storage_kind {
-    PB_STORAGE_HEAP,    /* aligned malloc, freed with free() */
+    PB_STORAGE_HEAP,    /* pb_mem_alloc, freed with pb_mem_free (mem.h) */
     PB_STORAGE_VIEW,    /* borrowed bytes kept alive by free_ctx's release */
     PB_STORAGE_SHM,     /* mmap'ed shared-memory buffer (section 6); made by
                            pb_storage_wrap, free_ctx is the daemon's mapping
@@ -81,36 +83,6 @@ int pb_dtype_parse(const char *s, size_t len, pb_dtype_t *out);
 /* The real dtype of matching precision (c64 -> f32) and the reverse. */
 pb_dtype_t pb_dtype_real(pb_dtype_t d);
 pb_dtype_t pb_dtype_complex(pb_dtype_t d);
-
-/* Tune the allocator for tensors: large blocks are reused from the heap
- * instead of being mapped afresh (and page-faulted in) for every output.
- * Called once at startup, before any thread is made. */
-void pb_alloc_init(void);
-/* Return the heap's free pages to the system (the daemon calls it after
- * idle-trim seconds without requests). */
-void pb_alloc_trim(void);
-
-/* size bytes aligned to PB_ALIGN, from malloc (so freed blocks are
- * reused); NULL when out of memory.  Freed with pb_mem_free only. */
-void *pb_mem_alloc(size_t size);
-void pb_mem_free(void *p);
-
-/* Both allocators leave PB_TAIL_SLACK(size) readable bytes after a block:
- * OpenBLAS 0.3.21's zgemv_n kernel, inside the row-reflector routines
- * (gelq2, ungl2, gebd2: gelqf, unglq/orglq, gesdd), reads past the end of
- * its matrix by up to about one column.  Measured with the matrix's end
- * against a PROT_NONE page: 1465 of 1600 LQ shapes up to 40×40 crashed
- * with no slack, 497 with 256 bytes, none with one column; GEMM never
- * read past its operands.  A block at the end of mapped memory (the top of
- * a malloc arena) would take the daemon down with SIGSEGV.  The slack is
- * the block's own size up to 1 MiB (a column of 65536 c128 rows), plus 64
- * bytes. */
-#define PB_TAIL_SLACK(size) (((size) < ((size_t)1 << 20) ? (size) : ((size_t)1 << 20)) + 64)
-
-/* calloc(n, size) with PB_TAIL_SLACK after the block: the kernels' work
- * arrays that LAPACK sees.  NULL on overflow or out of memory; freed with
- * free(). */
-void *pb_mem_calloc(size_t n, size_t size);
 
 /* A heap storage of size bytes, PB_ALIGN-aligned, uninitialised (zeroed
  * when zero is true).  NULL when out of memory. */
