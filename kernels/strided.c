@@ -1,6 +1,7 @@
 #include "strided.h"
 
 #include "cmplx.h"
+#include "par.h"
 #include <stdlib.h>
 #include <string.h>
 
@@ -219,6 +220,53 @@ static void walk_plan(const pb_loop_t *L, int t, int nops, size_t item, walk_t *
     W->n = n;
 }
 
+/* A pass that moves at least this many bytes (read and written) is split
+ * across idle workers along its outermost loop: about a millisecond of
+ * copying, well above the cost of waking a helper; pieces move at least
+ * a quarter of it. */
+#define PAR_BYTES ((int64_t)8 << 20)
+
+typedef struct split {
+    walk_t W;
+    pb_dtype_t d;
+    size_t item;
+    char *dst;
+    const char *src, *src2;
+    pb_scalar_t alpha, beta;
+    bool conj;
+    int one, acc;
+} split_t;
+
+/* Outer indices [lo, hi) of the outermost loop: the same walk, started
+ * there; a tile count along the plane keeps its last tile's size. */
+static void split_piece(void *ctx, long lo, long hi)
+{
+    const split_t *c = ctx;
+    walk_t w = c->W;
+    size_t it = c->item;
+    if (w.n == 0) { /* one row (a contiguous copy): elements [lo, hi) of it */
+        w.n0 = w.b0 = hi - lo;
+        passes[c->d](&w, c->dst + lo * w.st[0] * (int64_t)it, c->src + lo * w.st[2] * (int64_t)it,
+                     c->src2 ? c->src2 + lo * w.st[4] * (int64_t)it : NULL, c->alpha, c->beta, c->conj, c->one,
+                     c->acc);
+        return;
+    }
+    int k = w.n - 1;
+    w.dim[k] = hi - lo;
+    if (w.blk[k] == 1) {
+        int64_t rest = w.n0 - lo * w.b0, most = (hi - lo) * w.b0;
+        w.n0 = rest < most ? rest : most;
+        w.b0 = w.b0 < w.n0 ? w.b0 : w.n0;
+    } else if (w.blk[k] == 2) {
+        int64_t rest = w.n1 - lo * w.b1, most = (hi - lo) * w.b1;
+        w.n1 = rest < most ? rest : most;
+        w.b1 = w.b1 < w.n1 ? w.b1 : w.n1;
+    }
+    passes[c->d](&w, c->dst + lo * w.s[0][k] * (int64_t)it, c->src + lo * w.s[1][k] * (int64_t)it,
+                 c->src2 ? c->src2 + lo * w.s[2][k] * (int64_t)it : NULL, c->alpha, c->beta, c->conj, c->one,
+                 c->acc);
+}
+
 void pb_strided(pb_dtype_t d, const pb_loop_t *in, void *dst, const void *src, bool conj, pb_scalar_t alpha,
                 const void *src2, pb_scalar_t beta, bool accumulate)
 {
@@ -243,10 +291,27 @@ void pb_strided(pb_dtype_t d, const pb_loop_t *in, void *dst, const void *src, b
     if (!normalise(in, &L, src2 ? 3 : 2, &t))
         return;
     int one = alpha.re == 1 && alpha.im == 0, acc = accumulate;
-    walk_t W;
-    walk_plan(&L, t, src2 ? 3 : 2, pb_dtype_size(d), &W);
-    if ((unsigned)d < PB_NDTYPES)
-        passes[d](&W, dst, src, src2, alpha, beta, conj, one, acc);
+    if ((unsigned)d >= PB_NDTYPES)
+        return;
+    size_t item = pb_dtype_size(d);
+    split_t sp = {.d = d, .item = item, .dst = dst, .src = src, .src2 = src2, .alpha = alpha, .beta = beta,
+                  .conj = conj, .one = one, .acc = acc};
+    walk_plan(&L, t, src2 ? 3 : 2, item, &sp.W);
+    /* Split the outermost loop, or the one row there is, and only along
+     * an index that moves dst: pieces then write apart (an accumulation
+     * may sum into dst along an index of stride 0). */
+    int64_t elems = 1;
+    for (int k = 0; k < L.rank; k++)
+        elems *= (int64_t)L.dim[k];
+    int64_t bytes = elems * (int64_t)item * (src2 ? 3 : 2);
+    int64_t outer = sp.W.n ? sp.W.dim[sp.W.n - 1] : sp.W.tr ? 1 : sp.W.n0;
+    int64_t dstep = sp.W.n ? sp.W.s[0][sp.W.n - 1] : sp.W.st[0];
+    if (bytes >= PAR_BYTES && outer >= 2 && dstep != 0) {
+        long grain = (long)(PAR_BYTES / 4 / (bytes / outer)) + 1;
+        pb_par_for((long)outer, grain, split_piece, &sp);
+        return;
+    }
+    passes[d](&sp.W, dst, src, src2, alpha, beta, conj, one, acc);
 }
 
 pb_scalar_t pb_strided_dot(pb_dtype_t d, const pb_loop_t *in, const void *a, bool conj, const void *b)

@@ -20,6 +20,9 @@
  * either operand (as HPTT orders its loops), so consecutive tiles
  * continue the rows of one operand; and each tile prefetches the rows of
  * the next, whose misses the hardware prefetchers would not foresee.
+ * A pass that moves megabytes is split along its outermost loop (or its
+ * one row) across idle workers (par.h); each element is still computed
+ * once, the same way, so the result does not depend on the split.
  * Nothing is allocated. */
 #ifndef PB_STRIDED_H
 #define PB_STRIDED_H

@@ -28,6 +28,7 @@
 #include "kernels/blas.h"
 #include "kernels/op.h"
 #include "kernels/par.h"
+#include "kernels/strided.h"
 
 #define NHELPERS 3
 
@@ -360,6 +361,101 @@ static void gemm_views(void **state)
     free(ref);
 }
 
+/* Permutations, axpby and accumulations big enough to split give
+ * bitwise what the unsplit pass gives: each element is computed by one
+ * piece in the same way.  Shapes leave partial tiles at every edge. */
+static void strided_split_matches(void **state)
+{
+    (void)state;
+    static const struct {
+        int rank;
+        uint64_t dim[3];
+        int perm[3];
+    } cases[] = {
+        {2, {1030, 1100, 1}, {1, 0, 2}}, /* a transpose */
+        {2, {1500, 900, 1}, {0, 1, 2}},  /* a copy */
+        {3, {70, 130, 150}, {2, 0, 1}},
+        {3, {131, 67, 149}, {1, 2, 0}},
+        {3, {300, 5, 900}, {0, 2, 1}},
+    };
+    for (int d = PB_F32; d <= PB_C128; d++) {
+        if (RUNNING_ON_VALGRIND && d != PB_C128)
+            continue;
+        size_t es = pb_dtype_size((pb_dtype_t)d), ss = d == PB_F32 || d == PB_C64 ? 4 : 8;
+        bool cplx = d == PB_C64 || d == PB_C128;
+        for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+            int rank = cases[ci].rank;
+            size_t n = 1;
+            for (int k = 0; k < rank; k++)
+                n *= cases[ci].dim[k];
+            if (n * es * 2 < ((size_t)8 << 20))
+                continue; /* too small to split at this dtype (strided.c's PAR_BYTES) */
+            char *src = malloc(n * es), *src2 = malloc(n * es), *d1 = malloc(n * es), *d2 = malloc(n * es);
+            fill(src, n * es / ss, ss, 7);
+            fill(src2, n * es / ss, ss, 8);
+            /* dst is dense C order over the permuted shape; src and src2
+             * are dense C order over dim, read through the permutation. */
+            pb_loop_t L = {.rank = rank};
+            uint64_t pdim[3];
+            int64_t sst[3], dst_[3];
+            for (int k = 0; k < rank; k++)
+                pdim[k] = cases[ci].dim[cases[ci].perm[k]];
+            pb_dense_strides(rank, cases[ci].dim, 'C', sst);
+            pb_dense_strides(rank, pdim, 'C', dst_);
+            for (int k = 0; k < rank; k++) {
+                L.dim[k] = pdim[k];
+                L.s[0][k] = dst_[k];
+                L.s[1][k] = sst[cases[ci].perm[k]];
+                L.s[2][k] = sst[cases[ci].perm[k]];
+            }
+            for (int mode = 0; mode < 3; mode++) { /* copy, axpby, accumulate */
+                pb_scalar_t al = {mode ? 0.75 : 1, cplx && mode ? 0.25 : 0}, be = {0.5, cplx ? -0.5 : 0};
+                bool conj = cplx && mode == 1, acc = mode == 2;
+                const void *s2 = mode == 1 ? src2 : NULL;
+                fill(d1, n * es / ss, ss, 9);
+                memcpy(d2, d1, n * es);
+                pb_par_set_backend(NULL);
+                pb_strided((pb_dtype_t)d, &L, d1, src, conj, al, s2, be, acc);
+                pb_par_set_backend(&fake);
+                while (atomic_load(&idle_threads) < NHELPERS)
+                    usleep(100);
+                unsigned long long t0, h0, t1, h1;
+                pb_par_counts(&t0, &h0);
+                pb_strided((pb_dtype_t)d, &L, d2, src, conj, al, s2, be, acc);
+                pb_par_counts(&t1, &h1);
+                pb_par_set_backend(NULL);
+                if (t1 - t0 != 1)
+                    fail_msg("dtype %d case %zu mode %d: not split", d, ci, mode);
+                if (memcmp(d1, d2, n * es) != 0)
+                    fail_msg("dtype %d case %zu mode %d: the split pass differs", d, ci, mode);
+            }
+            free(src);
+            free(src2);
+            free(d1);
+            free(d2);
+        }
+    }
+}
+
+/* An accumulation into a destination of stride 0 (a reduction) is not
+ * split along that index: pieces would add into the same elements. */
+static void strided_reduction_not_split(void **state)
+{
+    (void)state;
+    size_t n = 2000, m = 1000;
+    double *src = malloc(sizeof(double) * n * m), d1[1000] = {0}, d2[1000] = {0};
+    fill(src, n * m, 8, 3);
+    /* dst[j] += src[i, j]: index 1 (i) has dst stride 0 and is outermost. */
+    pb_loop_t L = {.rank = 2, .dim = {m, n}, .s = {{1, 0}, {1, (int64_t)m}}};
+    pb_par_set_backend(NULL);
+    pb_strided(PB_F64, &L, d1, src, false, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, true);
+    pb_par_set_backend(&fake);
+    pb_strided(PB_F64, &L, d2, src, false, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, true);
+    pb_par_set_backend(NULL);
+    assert_memory_equal(d1, d2, sizeof d1);
+    free(src);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -367,6 +463,7 @@ int main(void)
         cmocka_unit_test(inline_below_two_grains), cmocka_unit_test(idle_threads_help),
         cmocka_unit_test(odd_sizes), cmocka_unit_test(nested), cmocka_unit_test(concurrent),
         cmocka_unit_test(gemm_split_matches), cmocka_unit_test(gemm_views),
+        cmocka_unit_test(strided_split_matches), cmocka_unit_test(strided_reduction_not_split),
     };
     return cmocka_run_group_tests_name("unit.par", tests, setup, teardown);
 }
