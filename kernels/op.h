@@ -183,8 +183,12 @@ void pb_tapedata_init(pb_tapedata_t *t, const pb_call_t *c);
 void pb_tapedata_clear(pb_tapedata_t *t);
 size_t pb_tapedata_bytes(const pb_tapedata_t *t);
 /* dst: a tensor the tape may keep: a reference when src already owns
- * exactly its bytes on the heap, else a copy (never a pointer into a
- * message or a client's memory).  0 or PB_ENOMEM (dst left empty). */
+ * exactly its bytes on the heap, or when it lies in a received message
+ * (daemon memory that nothing writes once parsed, refcounted) and is at
+ * least half of it: the tape then co-owns the message and holds at most
+ * twice the bytes it accounts for, and a big input is not copied.  Else a
+ * copy: never a pointer into a client's memory (shared memory) or a small
+ * part of a big message.  0 or PB_ENOMEM (dst left empty). */
 int pb_tape_keep(pb_tensor_t *dst, const pb_tensor_t *src);
 
 /* Run a whole call on its device: forward (and the tape when c->taped). */

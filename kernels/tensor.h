@@ -12,8 +12,9 @@
  *
  * Ownership: a storage frees its bytes when its last reference goes
  * (free_fn with free_ctx).  A tensor owns one reference.  A tape holds
- * tensors, hence references, so it keeps exactly what it needs alive and
- * never points into memory a client or a request owns. */
+ * tensors, hence references, so it keeps alive what it needs (a big
+ * input by a reference to its received message: op.h's pb_tape_keep) and
+ * never points into memory a client owns. */
 #ifndef PB_TENSOR_H
 #define PB_TENSOR_H
 
@@ -48,7 +49,8 @@ typedef struct pb_device {
 
 typedef enum pb_storage_kind {
     PB_STORAGE_HEAP,    /* pb_mem_alloc, freed with pb_mem_free (mem.h) */
-    PB_STORAGE_VIEW,    /* borrowed bytes kept alive by free_ctx's release */
+    PB_STORAGE_VIEW,    /* a received message (daemon memory nothing writes once
+                           parsed), kept alive by free_ctx's release */
     PB_STORAGE_SHM,     /* mmap'ed shared-memory buffer (section 6); made by
                            pb_storage_wrap, free_ctx is the daemon's mapping
                            record (daemon/buffer.h) */

@@ -279,13 +279,68 @@ static void connection_closes(void **state)
     pb_tapes_destroy(&t);
 }
 
+/* What a tape keeps of an input (kernels/op.h's pb_tape_keep): a heap
+ * tensor by reference; a tensor that is most of a received message by a
+ * reference to the message, which then lives as long as the tape; a small
+ * part of a message, or shared memory, by a copy. */
+static int released;
+static void on_release(void *ctx)
+{
+    released++;
+    free(ctx);
+}
+
+static pb_tensor_t view_of(pb_storage_t *s, size_t offset, uint64_t n)
+{
+    pb_tensor_t t = {.dtype = PB_F64, .rank = 1, .order = 'C', .shape = {n}, .offset = offset};
+    t.storage = pb_storage_ref(s);
+    return t;
+}
+
+static void tape_keep(void **state)
+{
+    (void)state;
+    size_t size = 1000 * 8 + 40;
+    double *msg = malloc(size);
+    for (int i = 0; i < 1005; i++)
+        msg[i] = i;
+    released = 0;
+    pb_storage_t *s = pb_storage_view(msg, size, on_release, msg);
+    assert_non_null(s);
+    pb_tensor_t big = view_of(s, 40, 990), small = view_of(s, 8, 100), kept_big = {0}, kept_small = {0};
+    assert_int_equal(pb_tape_keep(&kept_big, &big), 0);
+    assert_ptr_equal(kept_big.storage, s); /* no copy */
+    assert_int_equal(pb_tape_keep(&kept_small, &small), 0);
+    assert_ptr_not_equal(kept_small.storage, s); /* a copy of its own */
+    assert_int_equal(kept_small.storage->kind, PB_STORAGE_HEAP);
+    assert_true(((double *)pb_tensor_data(&kept_small))[0] == 1.0);
+    /* The request lets its message go; the tape's reference keeps it. */
+    pb_tensor_clear(&big);
+    pb_tensor_clear(&small);
+    pb_storage_unref(s);
+    assert_int_equal(released, 0);
+    assert_true(((double *)pb_tensor_data(&kept_big))[989] == 994.0);
+    pb_tensor_clear(&kept_small);
+    assert_int_equal(released, 0);
+    pb_tensor_clear(&kept_big);
+    assert_int_equal(released, 1);
+    /* A heap tensor that is its whole storage: the same storage. */
+    pb_tensor_t h = {0}, kh = {0};
+    uint64_t shape[1] = {10};
+    assert_int_equal(pb_tensor_alloc(&h, PB_F64, 1, shape, 'C', true), 0);
+    assert_int_equal(pb_tape_keep(&kh, &h), 0);
+    assert_ptr_equal(kh.storage, h.storage);
+    pb_tensor_clear(&h);
+    pb_tensor_clear(&kh);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(insert_find_remove), cmocka_unit_test(no_reuse), cmocka_unit_test(epochs),
         cmocka_unit_test(limits), cmocka_unit_test(foreach_remove),
         cmocka_unit_test(scopes_and_expiry), cmocka_unit_test(waiters_in_order),
-        cmocka_unit_test(connection_closes),
+        cmocka_unit_test(connection_closes), cmocka_unit_test(tape_keep),
     };
     return cmocka_run_group_tests_name("unit.tape", tests, NULL, NULL);
 }
