@@ -416,29 +416,32 @@ def _scan(buf, pos, end):
 def _decode_inplace(view):
     """Decode one msgpack value of view (a memoryview) whose big bins become
     read-only memoryviews of it; everything else goes through msgpack."""
-    ro = view.toreadonly()
-
-    def value(pos):
-        b = view[pos]
-        box = _container(view, pos, len(view))
-        if box is not None:
-            per, n, size = box
-            items = []
-            pos += size
-            for _ in range(per * n):
-                v, pos = value(pos)
-                items.append(v)
-            return (dict(zip(items[::2], items[1::2])) if per == 2 else items), pos
-        if b == 0xc6:  # bin32: the only bin that can reach _BIG
-            n = struct.unpack_from(">I", view, pos + 1)[0]
-            start = pos + 5
-            if n >= _BIG:
-                return ro[start:start + n], start + n
-        end = _scan(view, pos, len(view))
-        return msgpack.unpackb(view[pos:end], raw=False), end
-
-    obj, end = value(0)
+    obj, end = _decode_value(view, view.toreadonly(), 0)
     return obj
+
+
+def _decode_value(view, ro, pos):
+    """The value at view[pos] and its end (_decode_inplace).  A function of
+    its own, not a closure: a closure that calls itself is a reference cycle,
+    which would keep the views alive (and the reply buffer in use) until the
+    cyclic garbage collector ran."""
+    b = view[pos]
+    box = _container(view, pos, len(view))
+    if box is not None:
+        per, n, size = box
+        items = []
+        pos += size
+        for _ in range(per * n):
+            v, pos = _decode_value(view, ro, pos)
+            items.append(v)
+        return (dict(zip(items[::2], items[1::2])) if per == 2 else items), pos
+    if b == 0xc6:  # bin32: the only bin that can reach _BIG
+        n = struct.unpack_from(">I", view, pos + 1)[0]
+        start = pos + 5
+        if n >= _BIG:
+            return ro[start:start + n], start + n
+    end = _scan(view, pos, len(view))
+    return msgpack.unpackb(view[pos:end], raw=False), end
 
 
 class Tape:
