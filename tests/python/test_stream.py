@@ -65,6 +65,29 @@ class StreamTest(DaemonCase):
         np.testing.assert_allclose(g["x"], W.T @ dy, rtol=1e-12, atol=1e-10)
         np.testing.assert_allclose(g["bias"], dy.sum(axis=1), rtol=1e-12, atol=1e-10)
 
+    def test_several_big_tensors_take_one_buffer(self):
+        # Gradients of W and x, 2.7 and 1.4 MiB: the first reply learns the
+        # second tensor's size only after the first's bytes and moves to a
+        # bigger buffer; the next ones take the size it came to at once.
+        n = 600
+        W, x = self.rng.standard_normal((n, n)), self.rng.standard_normal((n, 300))
+        dy = self.rng.standard_normal((n, 300))
+        cache = self.c._reply_buffers
+        taken = []
+        take = cache.take
+        cache.take = lambda size: taken.append(size) or take(size)
+        try:
+            for k in range(3):
+                del taken[:]
+                _, tape = self.c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["weight", "x"])
+                del taken[:]
+                g = self.c.reverse(tape, {"y": dy})
+                self.assertEqual(len(taken), 2 if k == 0 else 1)
+                np.testing.assert_allclose(g["weight"], dy @ x.T, rtol=1e-12, atol=1e-10)
+                np.testing.assert_allclose(g["x"], W.T @ dy, rtol=1e-12, atol=1e-10)
+        finally:
+            del cache.take
+
     def test_pipelined(self):
         big = self.rng.standard_normal((1000, 700))
         small = self.rng.standard_normal((3, 2))

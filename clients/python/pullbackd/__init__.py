@@ -559,6 +559,13 @@ class Client:
         self._small = self._rbuf = bytearray(1 << 16)
         self._rpos = self._rend = 0
         self._reply_buffers = _ReplyBuffers(self.reply_buffers, self.reply_buffer_bytes)
+        # A big message's size is learnt one tensor at a time (a bin's header
+        # comes after the bytes of the bin before it), so a reply with several
+        # big tensors moved to a bigger buffer per tensor.  The sizes that
+        # messages came to, by the need that first made them big, let the
+        # next one of the same request (same header) take its size at once.
+        self._grown_to = {}
+        self._first_need = 0
         self._next_msgid = 1
         self._stash = {}  # msgid -> result or PullbackError, received out of turn
         self._write_lock = threading.Lock()
@@ -645,6 +652,9 @@ class Client:
         if self._rpos + need > len(self._rbuf):
             size = need + _SLACK
             if size >= _BIG_MESSAGE:
+                if self._rbuf is self._small:
+                    self._first_need = need
+                    size = max(size, self._grown_to.get(need, 0))
                 nb = memoryview(self._reply_buffers.take(size))
             else:
                 nb = self._small = bytearray(min(max(size, 2 * len(self._small)), _BIG_MESSAGE - 1))
@@ -684,6 +694,9 @@ class Client:
                         # _reply_buffers lends again once they are all gone;
                         # what follows the message goes back to the small one.
                         buf, rest = memoryview(self._rbuf), memoryview(self._rbuf)[end:self._rend]
+                        if len(self._grown_to) >= 16 and self._first_need not in self._grown_to:
+                            del self._grown_to[next(iter(self._grown_to))]
+                        self._grown_to[self._first_need] = end - start + _SLACK
                         if self._rbuf is self._small or len(rest) > len(self._small):
                             self._small = bytearray(max(1 << 16, len(rest)))
                         self._small[:len(rest)] = rest
