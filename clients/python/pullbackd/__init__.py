@@ -642,10 +642,13 @@ class Client:
     def _fill(self, need):
         """Receive until at least `need` bytes lie undecoded in the buffer.
 
-        A big message moves once into a reply buffer of its need (taken from
-        _reply_buffers), the rest grow the small buffer; reads stop _SLACK
-        past the need in a reply buffer, so that what follows a big message
-        (copied back to the small buffer) stays short."""
+        A big message moves into a reply buffer (taken from _reply_buffers)
+        of its need, or of the size the last message of the same header
+        came to (_grown_to), and again if it outgrows that; smaller needs
+        grow the small buffer, which stays below _BIG_MESSAGE so that a big
+        message is never left in it.  Reads stop _SLACK past the need in a
+        reply buffer, so that what follows a big message (copied back to
+        the small buffer) stays short."""
         if self._sock is None:
             raise ConnectionError("the client is closed")
         have = self._rend - self._rpos
@@ -697,7 +700,7 @@ class Client:
                         if len(self._grown_to) >= 16 and self._first_need not in self._grown_to:
                             del self._grown_to[next(iter(self._grown_to))]
                         self._grown_to[self._first_need] = end - start + _SLACK
-                        if self._rbuf is self._small or len(rest) > len(self._small):
+                        if self._rbuf is self._small or len(rest) > len(self._small):  # never lent twice
                             self._small = bytearray(max(1 << 16, len(rest)))
                         self._small[:len(rest)] = rest
                         self._rbuf, self._rpos, self._rend = self._small, 0, len(rest)
