@@ -65,6 +65,29 @@ class StreamTest(DaemonCase):
         np.testing.assert_allclose(g["x"], W.T @ dy, rtol=1e-12, atol=1e-10)
         np.testing.assert_allclose(g["bias"], dy.sum(axis=1), rtol=1e-12, atol=1e-10)
 
+    def test_several_big_tensors_take_one_buffer(self):
+        # Gradients of W and x, 2.7 and 1.4 MiB: the first reply learns the
+        # second tensor's size only after the first's bytes and moves to a
+        # bigger buffer; the next ones take the size it came to at once.
+        n = 600
+        W, x = self.rng.standard_normal((n, n)), self.rng.standard_normal((n, 300))
+        dy = self.rng.standard_normal((n, 300))
+        cache = self.c._reply_buffers
+        taken = []
+        take = cache.take
+        cache.take = lambda size: taken.append(size) or take(size)
+        try:
+            for k in range(3):
+                del taken[:]
+                _, tape = self.c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["weight", "x"])
+                del taken[:]
+                g = self.c.reverse(tape, {"y": dy})
+                self.assertEqual(len(taken), 2 if k == 0 else 1)
+                np.testing.assert_allclose(g["weight"], dy @ x.T, rtol=1e-12, atol=1e-10)
+                np.testing.assert_allclose(g["x"], W.T @ dy, rtol=1e-12, atol=1e-10)
+        finally:
+            del cache.take
+
     def test_pipelined(self):
         big = self.rng.standard_normal((1000, 700))
         small = self.rng.standard_normal((3, 2))
@@ -83,6 +106,66 @@ class StreamTest(DaemonCase):
         for _ in range(3):
             self.transpose(self.rng.standard_normal((512, 512)))
         np.testing.assert_array_equal(first, A.T)
+
+    def test_reply_buffers_reused_only_when_free(self):
+        # Each form a user may keep of reply 1 (the array, a slice, a
+        # memoryview, a view through np.asarray) keeps its values while
+        # replies 2..5 arrive into the client's reused buffers.
+        def reply(k):
+            return self.transpose(np.full((1024, 1024), float(k)))
+
+        for keep in (lambda C: C, lambda C: C[3:7, ::2], memoryview, lambda C: np.asarray(C).T):
+            kept = keep(reply(1))
+            for k in range(2, 6):
+                C = reply(k)
+                self.assertTrue((np.asarray(C) == k).all())
+                del C
+            self.assertTrue((np.asarray(kept) == 1).all())
+            self.assertLessEqual(len(self.c._reply_buffers.buffers), pullbackd.Client.reply_buffers)
+
+    def test_reply_buffer_refcount(self):
+        # The cache's test for "nothing else uses it": every view of a reply
+        # shares one managed buffer, which holds exactly one reference.
+        cache = self.c._reply_buffers
+        C = self.transpose(self.rng.standard_normal((1024, 1024)))
+        buf = buffer_of(C)
+        self.assertTrue(any(b is buf for b in cache.buffers))
+        pos = [i for i, b in enumerate(cache.buffers) if b is buf][0]
+        del buf
+        views = [C[1:], memoryview(C), np.asarray(C).T, C.reshape(-1)]
+        self.assertEqual(pullbackd._refcounts(cache.buffers)[pos], pullbackd._UNUSED_REFS + 1)
+        del C
+        self.assertEqual(pullbackd._refcounts(cache.buffers)[pos], pullbackd._UNUSED_REFS + 1)
+        del views
+        self.assertEqual(pullbackd._refcounts(cache.buffers)[pos], pullbackd._UNUSED_REFS)
+        if sys.implementation.name == "cpython" and sys.version_info < (3, 14):
+            self.assertEqual(pullbackd._UNUSED_REFS, 3)  # list slot, loop variable, argument
+
+    def test_reply_buffers_sized_and_bounded(self):
+        big = self.transpose(self.rng.standard_normal((1024, 1024)))
+        first = id(buffer_of(big))  # not the buffer: a reference would keep it in use
+        del big
+        same = self.transpose(self.rng.standard_normal((1024, 1024)))
+        self.assertEqual(id(buffer_of(same)), first)  # free again: taken, not allocated
+        other = self.transpose(self.rng.standard_normal((1024, 1024)))
+        self.assertNotEqual(id(buffer_of(other)), first)  # `same` still uses it
+        del same, other
+        small = self.transpose(self.rng.standard_normal((256, 1024)))  # 2 MiB: not the 8 MiB ones
+        self.assertLess(len(buffer_of(small)), 2 * small.nbytes + (1 << 17))
+        held = [self.transpose(self.rng.standard_normal((1024, 1024))) for _ in range(6)]
+        cache = self.c._reply_buffers
+        self.assertEqual(len(cache.buffers), pullbackd.Client.reply_buffers)
+        self.assertIs(cache.buffers[-1], buffer_of(held[-1]))  # the oldest were dropped
+        self.c.close()
+        self.assertEqual(cache.buffers, [])
+        self.assertEqual(held[0].shape, (1024, 1024))
+
+
+def buffer_of(C):
+    """The reply buffer a reply array is a view of."""
+    while not isinstance(C, memoryview):
+        C = C.base
+    return C.obj
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ other strided array as a C-contiguous copy; data is always little-endian.
 Arrays in replies are read-only views of the received bytes (zero copy);
 call ``.copy()`` on one to write to it. Tensors of 64 KiB and more are sent
 from the arrays' own memory (sendmsg), and a reply of 1 MiB and more is
-received straight into one buffer of its size.
+received straight into one buffer, which the Client lends again for a
+later reply once all the arrays of this one are gone.
 
 Errors from the daemon raise PullbackError carrying the wire code. A Client
 is one connection and is not thread-safe; only the release notification a
@@ -30,6 +31,7 @@ import mmap
 import os
 import socket
 import struct
+import sys
 import threading
 import warnings
 
@@ -303,7 +305,58 @@ def _handle(tape):
 
 _BIG = 1 << 16         # a bin at least this long is sent / received in place
 _BIG_MESSAGE = 1 << 20  # a reply at least this long is decoded without copies
+_SLACK = 1 << 16        # received past a message's known end, for the next header
 _IOV_MAX = 1024
+
+
+def _refcounts(buffers):
+    """sys.getrefcount of each buffer, as seen from this comprehension."""
+    return [sys.getrefcount(b) for b in buffers]
+
+
+# What _refcounts says of a buffer that only its list refers to.  Measured,
+# not assumed: interpreters differ in the references a call borrows.  Any
+# memoryview of a buffer (so any reply array, slice or view made from one)
+# adds one, through the managed buffer that all views of one export share.
+_UNUSED_REFS = _refcounts([np.empty(1, np.uint8)])[0]
+
+
+class _ReplyBuffers:
+    """The big receive buffers of one Client, kept for the next big replies.
+
+    A reply of _BIG_MESSAGE bytes or more is received into one of these
+    (np.empty: not zero-filled, as recv_into writes every byte used) and its
+    arrays are views of it, so a buffer is taken again only when nothing but
+    this list refers to it, and only for a need of at least half its size
+    (small replies must not pin big buffers).  At most max_buffers and
+    max_bytes are kept, the least recently taken dropped first: dropping a
+    buffer in use only forgets it, its views keep it alive until they go.
+    Memory freed and mapped again per reply would cost a page fault per 4 KiB
+    on every reply; a reused buffer's pages are already there.
+    """
+
+    def __init__(self, max_buffers, max_bytes):
+        self.max_buffers, self.max_bytes = max_buffers, max_bytes
+        self.buffers = []  # np.uint8 arrays, least recently taken first
+
+    def take(self, size):
+        """A buffer of at least size bytes, free of views, contents undefined."""
+        best = None
+        for i, refs in enumerate(_refcounts(self.buffers)):
+            n = len(self.buffers[i])
+            if refs <= _UNUSED_REFS and size <= n <= 2 * size and (best is None or n < len(self.buffers[best])):
+                best = i
+        buf = self.buffers.pop(best) if best is not None else np.empty(size, np.uint8)
+        if len(buf) > self.max_bytes:
+            return buf  # not kept: it would push out all the others
+        self.buffers.append(buf)
+        held = sum(len(b) for b in self.buffers)
+        while self.buffers and (len(self.buffers) > self.max_buffers or held > self.max_bytes):
+            held -= len(self.buffers.pop(0))
+        return buf
+
+    def clear(self):
+        self.buffers.clear()
 
 
 def _has_big(obj):
@@ -416,29 +469,32 @@ def _scan(buf, pos, end):
 def _decode_inplace(view):
     """Decode one msgpack value of view (a memoryview) whose big bins become
     read-only memoryviews of it; everything else goes through msgpack."""
-    ro = view.toreadonly()
-
-    def value(pos):
-        b = view[pos]
-        box = _container(view, pos, len(view))
-        if box is not None:
-            per, n, size = box
-            items = []
-            pos += size
-            for _ in range(per * n):
-                v, pos = value(pos)
-                items.append(v)
-            return (dict(zip(items[::2], items[1::2])) if per == 2 else items), pos
-        if b == 0xc6:  # bin32: the only bin that can reach _BIG
-            n = struct.unpack_from(">I", view, pos + 1)[0]
-            start = pos + 5
-            if n >= _BIG:
-                return ro[start:start + n], start + n
-        end = _scan(view, pos, len(view))
-        return msgpack.unpackb(view[pos:end], raw=False), end
-
-    obj, end = value(0)
+    obj, end = _decode_value(view, view.toreadonly(), 0)
     return obj
+
+
+def _decode_value(view, ro, pos):
+    """The value at view[pos] and its end (_decode_inplace).  A function of
+    its own, not a closure: a closure that calls itself is a reference cycle,
+    which would keep the views alive (and the reply buffer in use) until the
+    cyclic garbage collector ran."""
+    b = view[pos]
+    box = _container(view, pos, len(view))
+    if box is not None:
+        per, n, size = box
+        items = []
+        pos += size
+        for _ in range(per * n):
+            v, pos = _decode_value(view, ro, pos)
+            items.append(v)
+        return (dict(zip(items[::2], items[1::2])) if per == 2 else items), pos
+    if b == 0xc6:  # bin32: the only bin that can reach _BIG
+        n = struct.unpack_from(">I", view, pos + 1)[0]
+        start = pos + 5
+        if n >= _BIG:
+            return ro[start:start + n], start + n
+    end = _scan(view, pos, len(view))
+    return msgpack.unpackb(view[pos:end], raw=False), end
 
 
 class Tape:
@@ -479,6 +535,12 @@ class Client:
     socket operation (None waits forever).
     """
 
+    # Big reply buffers kept for reuse per client (see _ReplyBuffers): per
+    # client rather than per process because a Client is used by one thread
+    # at a time (no lock on the receive path) and close() can free them.
+    reply_buffers = 4
+    reply_buffer_bytes = 512 << 20
+
     def __init__(self, path=None, timeout=None):
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -490,8 +552,20 @@ class Client:
         except BaseException:
             self._sock.close()
             raise
-        self._rbuf = bytearray(1 << 16)  # received bytes [_rpos, _rend) not yet decoded
+        # Received bytes [_rpos, _rend) of _rbuf are not yet decoded.  _rbuf is
+        # _small, a bytearray below _BIG_MESSAGE that small messages are
+        # decoded from (msgpack copies out of it), or while a big message
+        # arrives a memoryview of one of _reply_buffers.
+        self._small = self._rbuf = bytearray(1 << 16)
         self._rpos = self._rend = 0
+        self._reply_buffers = _ReplyBuffers(self.reply_buffers, self.reply_buffer_bytes)
+        # A big message's size is learnt one tensor at a time (a bin's header
+        # comes after the bytes of the bin before it), so a reply with several
+        # big tensors moved to a bigger buffer per tensor.  The sizes that
+        # messages came to, by the need that first made them big, let the
+        # next one of the same request (same header) take its size at once.
+        self._grown_to = {}
+        self._first_need = 0
         self._next_msgid = 1
         self._stash = {}  # msgid -> result or PullbackError, received out of turn
         self._write_lock = threading.Lock()
@@ -509,6 +583,7 @@ class Client:
                 pass
             self._sock.close()
             self._sock = None
+        self._reply_buffers.clear()  # replies still in use keep their own
 
     def __enter__(self):
         return self
@@ -567,19 +642,31 @@ class Client:
     def _fill(self, need):
         """Receive until at least `need` bytes lie undecoded in the buffer.
 
-        The buffer is sized for the need once (a big reply arrives straight
-        into memory of its own size) and read into with recv_into."""
+        A big message moves into a reply buffer (taken from _reply_buffers)
+        of its need, or of the size the last message of the same header
+        came to (_grown_to), and again if it outgrows that; smaller needs
+        grow the small buffer, which stays below _BIG_MESSAGE so that a big
+        message is never left in it.  Reads stop _SLACK past the need in a
+        reply buffer, so that what follows a big message (copied back to
+        the small buffer) stays short."""
         if self._sock is None:
             raise ConnectionError("the client is closed")
         have = self._rend - self._rpos
         if self._rpos + need > len(self._rbuf):
-            size = need + (1 << 16)
-            nb = bytearray(size) if size >= _BIG_MESSAGE else bytearray(max(size, 2 * len(self._rbuf)))
+            size = need + _SLACK
+            if size >= _BIG_MESSAGE:
+                if self._rbuf is self._small:
+                    self._first_need = need
+                    size = max(size, self._grown_to.get(need, 0))
+                nb = memoryview(self._reply_buffers.take(size))
+            else:
+                nb = self._small = bytearray(min(max(size, 2 * len(self._small)), _BIG_MESSAGE - 1))
             nb[:have] = memoryview(self._rbuf)[self._rpos:self._rend]
             self._rbuf, self._rpos, self._rend = nb, 0, have
         view = memoryview(self._rbuf)
+        stop = len(view) if self._rbuf is self._small else min(len(view), self._rpos + need + _SLACK)
         while self._rend - self._rpos < need:
-            n = self._sock.recv_into(view[self._rend:])
+            n = self._sock.recv_into(view[self._rend:stop])
             if n == 0:
                 raise ConnectionError("pullbackd closed the connection")
             self._rend += n
@@ -606,12 +693,18 @@ class Client:
                 if end >= 0:
                     start, self._rpos = self._rpos, end
                     if end - start >= _BIG_MESSAGE:
-                        # The reply owns this buffer now: its arrays are views of it.
-                        buf, rest = self._rbuf, memoryview(self._rbuf)[end:self._rend]
-                        self._rbuf = bytearray(max(1 << 16, len(rest)))
-                        self._rbuf[:len(rest)] = rest
-                        self._rpos, self._rend = 0, len(rest)
-                        return _decode_inplace(memoryview(buf)[start:end])
+                        # The reply's arrays are views of this buffer, which
+                        # _reply_buffers lends again once they are all gone;
+                        # what follows the message goes back to the small one.
+                        buf, rest = memoryview(self._rbuf), memoryview(self._rbuf)[end:self._rend]
+                        if len(self._grown_to) >= 16 and self._first_need not in self._grown_to:
+                            del self._grown_to[next(iter(self._grown_to))]
+                        self._grown_to[self._first_need] = end - start + _SLACK
+                        if self._rbuf is self._small or len(rest) > len(self._small):  # never lent twice
+                            self._small = bytearray(max(1 << 16, len(rest)))
+                        self._small[:len(rest)] = rest
+                        self._rbuf, self._rpos, self._rend = self._small, 0, len(rest)
+                        return _decode_inplace(buf[start:end])
                     msg = msgpack.unpackb(memoryview(self._rbuf)[start:end], raw=False)
                     if self._rpos == self._rend:
                         self._rpos = self._rend = 0
