@@ -84,6 +84,11 @@ void pb_prom_number(char *buf, double v)
         strcpy(buf, v > 0 ? "+Inf" : "-Inf");
         return;
     }
+    /* Counts print as integers (2000, not %g's 2e+03). */
+    if (v == floor(v) && fabs(v) < 9007199254740992.0) {
+        snprintf(buf, 32, "%.0f", v);
+        return;
+    }
     for (int prec = 1; prec <= 17; prec++) {
         snprintf(buf, 32, "%.*g", prec, v);
         if (strtod(buf, NULL) == v)

@@ -45,6 +45,10 @@ static void numbers(void **state)
     assert_string_equal(b, "0.0001");
     pb_prom_number(b, 3);
     assert_string_equal(b, "3");
+    pb_prom_number(b, 2000); /* counts as integers, not 2e+03 */
+    assert_string_equal(b, "2000");
+    pb_prom_number(b, -1e6);
+    assert_string_equal(b, "-1000000");
     pb_prom_number(b, 9007199254740992.0);
     assert_string_equal(b, "9007199254740992");
     pb_prom_number(b, 1.0 / 3.0);
