@@ -123,7 +123,7 @@ static const pb_setting_t keys[] = {
     {"memory-cache", PB_SET_SIZE, FIELD(memory_cache_bytes), NULL, 0, 0, true, NULL, "N",
      "freed tensor and message memory kept mapped for reuse\n(default: an eighth of the memory, 0: none)"},
     {"idle-trim", PB_SET_SECONDS, FIELD(idle_trim_s), "10", 0, 1000000000, true, NULL, "S",
-     "seconds without requests before memory kept for reuse\ngoes back to the system (0: never)"},
+     "seconds without work for the workers before memory\nkept for reuse goes back to the system (0: never)"},
     {"log-level", PB_SET_LOG, FIELD(log_level), "info", 0, 0, true, NULL, "LEVEL",
      "error, warning, notice, info, debug"},
 };

@@ -32,15 +32,18 @@ static void on_flush(uv_check_t *h)
     pb_conns_flush(&s->conns);
 }
 
-/* Every second: expired tapes go, and after idle-trim seconds without a
- * request the memory kept for reuse goes back to the system. */
+/* Every second: expired tapes go, and after idle-trim seconds without
+ * work for the workers the memory kept for reuse goes back to the system
+ * (requests answered on the loop, such as a metrics scrape, use none of
+ * it and do not keep it). */
 static void on_sweep(uv_timer_t *t)
 {
     pb_server_t *s = t->data;
     pb_rpc_sweep(&s->rpc);
     uint64_t now = uv_now(s->loop);
-    if (s->rpc.requests_served != s->served_seen || s->rpc.requests_in_flight > 0) {
-        s->served_seen = s->rpc.requests_served;
+    uint64_t work = pb_pool_busy_ns(&s->rpc.pool);
+    if (work != s->work_seen || s->rpc.requests_in_flight > 0) {
+        s->work_seen = work;
         s->busy_ms = now;
         s->trimmed = false;
     } else if (!s->trimmed && s->cfg.idle_trim_s > 0 && now - s->busy_ms >= (uint64_t)(s->cfg.idle_trim_s * 1000)) {

@@ -46,8 +46,8 @@ typedef struct pb_server {
     bool listening;
     uv_signal_t sigterm, sigint, sighup;
     uv_timer_t sweep, drain_timer;
-    uint64_t served_seen;          /* requests_served at the last sweep */
-    uint64_t busy_ms;              /* when a request was last seen (loop time) */
+    uint64_t work_seen;            /* the workers' busy time at the last sweep */
+    uint64_t busy_ms;              /* when work was last seen (loop time) */
     bool trimmed;                  /* the heap was trimmed since then */
     uv_timer_t last_read_timer;    /* runs the last reads outside any request */
     uv_timer_t status_timer;       /* STATUS= to systemd, when notifying */

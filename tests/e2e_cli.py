@@ -293,6 +293,45 @@ def parse_metrics(text):
     return out
 
 
+class MemoryCache(DaemonCase):
+    """Large blocks come back from the cache (kernels/mem.h), the cache
+    stays under --memory-cache, and idle-trim empties it."""
+    DAEMON_ARGS = ["--memory-cache", "64M", "--idle-trim", "1"]
+
+    def metrics(self):
+        return parse_metrics(ctl("metrics", env={"PULLBACKD_SOCKET": self.path})[1])
+
+    def test_reuse_cap_and_trim(self):
+        rng = np.random.default_rng(3)
+        A = rng.standard_normal((1024, 1024))  # 8 MiB in, 8 MiB out
+        with pullbackd.Client(self.path) as c:
+            for i in range(6):
+                C = c.forward("tensoradd", {"A": A}, options={"pA": [1, 0]})["C"]
+                np.testing.assert_array_equal(C, A.T)
+            m = self.metrics()
+            # The first request maps its message buffer and result; the
+            # later ones take them from the cache.
+            self.assertGreaterEqual(m["pullbackd_memory_cache_hits_total"], 8)
+            self.assertLessEqual(m["pullbackd_memory_cache_misses_total"], 6)
+            self.assertLessEqual(m["pullbackd_memory_cached_bytes"], 64 << 20)
+            self.assertGreater(m["pullbackd_memory_cached_bytes"], 0)
+            # More than the cap in flight at once: what comes back past the
+            # cap is unmapped.
+            big = rng.standard_normal((3000, 3000))  # 69 MiB each way
+            C = c.forward("tensoradd", {"A": big}, options={"pA": [1, 0]})["C"]
+            np.testing.assert_array_equal(C, big.T)
+            self.assertLessEqual(self.metrics()["pullbackd_memory_cached_bytes"], 64 << 20)
+        # Idle for idle-trim seconds (the sweep runs every second): emptied.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            m = self.metrics()
+            if m["pullbackd_memory_cached_bytes"] == 0:
+                break
+            time.sleep(0.5)
+        self.assertEqual(m["pullbackd_memory_cached_bytes"], 0)
+        self.assertEqual(m["pullbackd_memory_large_bytes"], 0)
+
+
 class OpenSocket(DaemonCase):
     """A socket everyone may connect to: the daemon itself refuses admin calls."""
 
