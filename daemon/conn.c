@@ -149,6 +149,11 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
             b->len = 0;
             return;
         }
+        /* The message starts where the payload being waited for lands
+         * aligned to PB_ALIGN: a tensor inline is then used where it lies
+         * (kernels want its elements aligned; else op.c copies it). */
+        size_t shift = need >= BIG_MESSAGE && c->start == 0 ? (PB_ALIGN - c->scan.need_at % PB_ALIGN) % PB_ALIGN : 0;
+        ncap += shift;
         /* A new block, not realloc: a big one comes from the cache of
          * freed blocks (kernels/mem.h), already paged in. */
         char *nb = pb_mem_block(ncap);
@@ -158,9 +163,11 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
             return;
         }
         if (c->len)
-            memcpy(nb, c->buf, c->len);
+            memcpy(nb + shift, c->buf, c->len);
         pb_mem_free(c->buf);
         c->buf = nb;
+        c->start += shift;
+        c->len += shift;
         c->cap = ncap;
         pb__conn_account(c);
     }
@@ -170,17 +177,18 @@ room:
 }
 
 /* The storage of the message at buf[start, start + n): the buffer itself
- * for a big message at its front, else a copy. */
+ * for a big message at its front (alloc_cb may have placed it a few bytes
+ * in), else a copy. */
 static pb_storage_t *take_message(pb_conn_t *c, size_t n)
 {
-    if (n >= BIG_MESSAGE && c->start == 0) {
-        size_t rest = c->len - n;
+    if (n >= BIG_MESSAGE && c->start < PB_ALIGN) {
+        size_t rest = c->len - c->start - n;
         size_t ncap = rest + READ_CHUNK * 2;
         char *nb = pb_mem_block(ncap);
         if (nb == NULL)
             return NULL;
-        memcpy(nb, c->buf + n, rest);
-        pb_storage_t *s = pb_storage_view(c->buf, n, pb_mem_free, c->buf);
+        memcpy(nb, c->buf + c->start + n, rest);
+        pb_storage_t *s = pb_storage_view(c->buf + c->start, n, pb_mem_free, c->buf);
         if (s == NULL) {
             pb_mem_free(nb);
             return NULL;

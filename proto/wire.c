@@ -110,6 +110,7 @@ int pb_scan_feed(pb_scan_t *s, const uint8_t *buf, size_t len, size_t limit, siz
         }
         if (off + hdr + body > len) {
             s->need = off + hdr + (size_t)body;
+            s->need_at = off + hdr;
             return 0;
         }
 

@@ -29,6 +29,7 @@ typedef struct pb_scan {
     uint32_t left[PB_WIRE_MAX_DEPTH]; /* elements still due in each */
     size_t need;     /* after a 0: the message is at least this long (a
                       * declared payload not all read yet), else 0 */
+    size_t need_at;  /* where in the message that payload begins */
     const char *why; /* reason of the last PB_EPARSE */
 } pb_scan_t;
 
