@@ -206,11 +206,36 @@ static int FN(svd_decompose)(const T *A, int m, int n, bool full, pb_tensor_t *s
     return rc;
 }
 
+/* svd_vals with no tape to make: the values alone (gesdd without vectors
+ * does about half the work), A overwritten; gesvd from A reloaded when
+ * gesdd does not converge. */
+static int FN(svd_values)(const pb_call_t *c, T *A, int m, int n, pb_tensor_t *o, pb_err_t *err)
+{
+    const int k = m < n ? m : n;
+    RT *S = FZ(newvec_r)(&o[0], k);
+    if (S == NULL)
+        return PB_ENOMEM;
+    if (k == 0)
+        return 0;
+    lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'N', m, n, A, LD(m), S, NULL, 1, NULL, 1);
+    if (info > 0) {
+        RT *superb = FZ(ralloc)((size_t)k);
+        if (superb == NULL)
+            return PB_ENOMEM;
+        FZ(load)(&c->in[0], A, m, n);
+        info = LAPACK(gesvd)(LAPACK_COL_MAJOR, 'N', 'N', m, n, A, LD(m), S, NULL, 1, NULL, 1, superb);
+        free(superb);
+    }
+    return info ? FZ(lapack_fail)(info > 0 ? "gesvd" : "gesdd", info, err) : 0;
+}
+
 static int FN(svd_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor_t *o, pb_tensor_t *sv,
                        pb_err_t *err)
 {
     const int m = (int)c->in[0].shape[0], n = (int)c->in[0].shape[1], k = m < n ? m : n;
     const fz_variant_t var = (fz_variant_t)c->op->variant;
+    if (var == FZ_VALS && !c->taped)
+        return FN(svd_values)(c, A, m, n, o, err);
     int rc = FN(svd_decompose)(A, m, n, var == FZ_FULL, sv, err);
     if (rc == 0 && var == FZ_TRUNC) {
         int *sel = malloc(sizeof(int) * (size_t)(k + 1)), r = FN(svd_keep)(pb_tensor_data(&sv[1]), k, op);
