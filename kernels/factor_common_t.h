@@ -17,8 +17,9 @@ void FZ(gemm)(char ta, char tb, int m, int n, int k, T alpha, const T *a, int ld
 {
     if (m <= 0 || n <= 0)
         return;
-    CBLAS(gemm)(CblasColMajor, pb_blas_trans(ta), pb_blas_trans(tb), m, n, k < 0 ? 0 : k, SCAL(alpha), a, LD(lda), b, LD(ldb),
-                SCAL(beta), c, LD(ldc));
+    /* Through pb_gemm_cm: a large product is split across idle workers. */
+    pb_gemm_cm(DT, ta, tb, m, n, k < 0 ? 0 : k, (pb_scalar_t){RE(alpha), IM(alpha)}, a, LD(lda), b, LD(ldb),
+               (pb_scalar_t){RE(beta), IM(beta)}, c, LD(ldc));
 }
 
 void FZ(adjoint)(const T *X, int m, int n, T *Y)
