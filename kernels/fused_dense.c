@@ -12,6 +12,7 @@
 #include "act.h"
 #include "blas.h"
 #include "op.h"
+#include "par.h"
 
 enum { IN_W, IN_X, IN_B };
 enum { OPT_ACT };
@@ -21,13 +22,87 @@ enum { SAVED_SRC, SAVED_X, SAVED_W };
 #define PB_T_REAL_ONLY
 #include "dtype_t.h"
 
-typedef void bias_act_fn(int act, void *y, void *zbuf, const void *b, size_t out, size_t batch, char order);
+typedef void bias_act_fn(int act, void *y, void *zbuf, const void *b, size_t out, size_t batch, size_t ld,
+                         char order);
 typedef void dz_pass_fn(int act, void *dz, const void *yb, const void *s, double *bsum, size_t out, size_t batch,
-                        char order);
+                        size_t ld, char order);
 typedef void store_bsum_fn(void *dst, const double *bsum, size_t out);
 static bias_act_fn *const bias_acts[PB_NDTYPES] = PB_T_FNS_REAL(bias_act_any);
 static dz_pass_fn *const dz_passes[PB_NDTYPES] = PB_T_FNS_REAL(dz_pass_any);
 static store_bsum_fn *const store_bsums[PB_NDTYPES] = PB_T_FNS_REAL(store_bsum);
+
+/* A bias+activation or dz pass over at least this many elements is split
+ * across idle threads (at some 2 ns an element, an exp and the memory
+ * traffic, about half a millisecond, as PAR_MADDS in blas.c), in pieces of
+ * at least half of it. */
+#define PAR_ELEMS 2.5e5
+/* Row blocks of an F-ordered dz pass start at multiples of this many
+ * elements, so that each element falls in the same vector lane or
+ * remainder as unsplit (libmvec's and libm's results differ in the last
+ * bits) and each piece's column segments keep their alignment. */
+#define PAR_ROW_BLOCK 16
+
+/* One pass, split into pieces: whole rows of a C-ordered matrix, whole
+ * columns of an F-ordered bias_act, blocks of PAR_ROW_BLOCK rows of an
+ * F-ordered dz pass (so each row's b̄ sum stays in one piece, in the same
+ * order, and the results are bitwise those of the unsplit pass). */
+typedef struct act_split {
+    pb_dtype_t d;
+    int act;
+    char order;
+    size_t out, batch, es;
+    char *y, *zbuf;               /* bias_act: y, z or NULL, */
+    const char *b;                /* and b or NULL */
+    const char *yb, *s;           /* dz pass: ȳ, the source or NULL (y is dz), */
+    double *bsum;                 /* and b̄'s sums or NULL */
+} act_split_t;
+
+static const char *offset(const char *p, size_t elems, size_t es)
+{
+    return p ? p + elems * es : NULL;
+}
+
+static void bias_act_piece(void *ctx, long lo, long hi)
+{
+    const act_split_t *a = ctx;
+    size_t l = (size_t)lo, n = (size_t)(hi - lo);
+    if (a->order == 'C') /* rows [lo, hi) */
+        bias_acts[a->d](a->act, a->y + l * a->batch * a->es, (char *)offset(a->zbuf, l * a->batch, a->es),
+                        offset(a->b, l, a->es), n, a->batch, a->batch, 'C');
+    else /* columns [lo, hi) */
+        bias_acts[a->d](a->act, a->y + l * a->out * a->es, (char *)offset(a->zbuf, l * a->out, a->es), a->b, a->out,
+                        n, a->out, 'F');
+}
+
+static void dz_pass_piece(void *ctx, long lo, long hi)
+{
+    const act_split_t *a = ctx;
+    size_t r0 = (size_t)lo, r1 = (size_t)hi, ld = a->order == 'C' ? a->batch : a->out;
+    if (a->order == 'F') { /* row blocks [lo, hi) */
+        r0 *= PAR_ROW_BLOCK;
+        r1 = r1 * PAR_ROW_BLOCK < a->out ? r1 * PAR_ROW_BLOCK : a->out;
+    }
+    size_t at = a->order == 'C' ? r0 * ld : r0; /* element (r0, 0) */
+    dz_passes[a->d](a->act, a->y + at * a->es, offset(a->yb, at, a->es), offset(a->s, at, a->es),
+                    a->bsum ? a->bsum + r0 : NULL, r1 - r0, a->batch, ld, a->order);
+}
+
+/* Run one pass over the (out × batch) matrix, split when it is big. */
+static void act_split_run(act_split_t *a, pb_par_fn piece, bool dz)
+{
+    double elems = (double)a->out * (double)a->batch;
+    long len = a->order == 'C' ? (long)a->out : (long)a->batch;
+    double per = a->order == 'C' ? (double)a->batch : (double)a->out; /* elements a unit */
+    if (dz && a->order == 'F') {
+        len = (long)((a->out + PAR_ROW_BLOCK - 1) / PAR_ROW_BLOCK);
+        per = (double)a->batch * PAR_ROW_BLOCK;
+    }
+    if (elems < PAR_ELEMS) {
+        piece(a, 0, len);
+        return;
+    }
+    pb_par_for(len, (long)(PAR_ELEMS / 2 / per) + 1, piece, a);
+}
 
 static int validate(pb_call_t *c, pb_err_t *err)
 {
@@ -95,7 +170,10 @@ static int forward_cpu(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
     pb_gemm(c->dtype, 1.0, pb_mview_of(w), pb_mview_of(x), 0.0, yv);
     const void *bp = b->storage ? pb_tensor_data(b) : NULL;
     char o = ym->rank == 1 ? 'F' : c->order;
-    bias_acts[c->dtype](act, pb_tensor_data(&y), save_z ? pb_tensor_data(&z) : NULL, bp, out, batch, o);
+    act_split_t sp = {.d = c->dtype, .act = act, .order = o, .out = out, .batch = batch,
+                      .es = pb_dtype_size(c->dtype), .y = pb_tensor_data(&y),
+                      .zbuf = save_z ? pb_tensor_data(&z) : NULL, .b = bp};
+    act_split_run(&sp, bias_act_piece, false);
 
     if (tape && c->wrt) {
         if (pb_act_src[act] == PB_ACT_FROM_Y)
@@ -160,7 +238,9 @@ static int reverse_cpu(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor
     }
     char po = ym->rank == 1 ? 'F' : o;
     const void *sp = src->storage ? pb_tensor_data(src) : NULL;
-    dz_passes[d](act, pb_tensor_data(&dz), yb, sp, bsum, out, batch, po);
+    act_split_t dzs = {.d = d, .act = act, .order = po, .out = out, .batch = batch, .es = pb_dtype_size(d),
+                       .y = pb_tensor_data(&dz), .yb = yb, .s = sp, .bsum = bsum};
+    act_split_run(&dzs, dz_pass_piece, true);
 
     pb_mview_t dzv = pb_mview_of(&dz);
     if (t->wrt & (1u << IN_W)) /* W̄ = dz·xᵀ */

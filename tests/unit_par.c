@@ -1,7 +1,9 @@
 /* unit.par: intra-request parallelism (kernels/par.c) with a stand-in for
  * the worker pool: every piece of [0, n) runs exactly once, idle threads
  * do help, nothing is split without a backend or an idle thread, nested
- * splits finish, and pb_par_for returns only after its helpers left. */
+ * splits finish, and pb_par_for returns only after its helpers left;
+ * split GEMMs, fused_dense passes and strided passes give what unsplit
+ * ones give. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -25,6 +27,7 @@
 #define RUNNING_ON_VALGRIND 0
 #endif
 
+#include "kernels/act.h"
 #include "kernels/blas.h"
 #include "kernels/op.h"
 #include "kernels/par.h"
@@ -361,6 +364,107 @@ static void gemm_views(void **state)
     free(ref);
 }
 
+/* fused_dense's bias+activation and dz passes, split across the helpers,
+ * give bitwise what they give unsplit (b̄'s row sums included), in C and
+ * F order, f32 and f64; the shape keeps the GEMMs below their own split. */
+extern const pb_op_t pb_op_fused_dense;
+
+typedef struct {
+    pb_tensor_t y, grad[3];
+} fd_result_t;
+
+static void fd_tensor(pb_tensor_t *t, pb_dtype_t d, int rank, uint64_t r, uint64_t c, char o, unsigned seed)
+{
+    uint64_t shape[2] = {r, c};
+    assert_int_equal(pb_tensor_alloc(t, d, rank, shape, o, false), 0);
+    /* Unit variance, so that |z| ~ 2 and the exps' arguments spread wide. */
+    fill(pb_tensor_data(t), pb_tensor_count(t), pb_dtype_size(d), seed);
+    size_t n = pb_tensor_count(t);
+    for (size_t i = 0; i < n; i++) {
+        if (d == PB_F32)
+            ((float *)pb_tensor_data(t))[i] *= 3.4641016f;
+        else
+            ((double *)pb_tensor_data(t))[i] *= 3.4641016151377546;
+    }
+}
+
+static void fd_run(pb_dtype_t d, char o, fd_result_t *r)
+{
+    enum { OUT = 1024, IN = 4, BATCH = 384 }; /* 393216 elements; GEMMs 1.6e6 multiply-adds */
+    pb_call_t c;
+    memset(&c, 0, sizeof c);
+    c.op = &pb_op_fused_dense;
+    c.device = (pb_device_t){PB_DEV_CPU, 0};
+    c.dtype = d;
+    c.order = o;
+    c.taped = true;
+    c.wrt = 7;
+    c.opt[0].given = true;
+    c.opt[0].index = PB_ACT_GELU;
+    fd_tensor(&c.in[0], d, 2, OUT, IN, o, 11);
+    fd_tensor(&c.in[1], d, 2, IN, BATCH, o, 12);
+    fd_tensor(&c.in[2], d, 1, OUT, 0, 'C', 13);
+    pb_err_t err;
+    assert_int_equal(pb_op_fused_dense.validate(&c, &err), 0);
+    pb_tapedata_t tape;
+    assert_int_equal(pb_op_run_forward(&c, &tape, &err), 0);
+    r->y = c.out[0];
+    c.out[0] = (pb_tensor_t){0};
+    pb_tensor_t cot[PB_MAX_IO] = {{0}}, grad[PB_MAX_IO + 2] = {{0}};
+    fd_tensor(&cot[0], d, 2, OUT, BATCH, o, 14);
+    pb_warnings_t warn = {0};
+    assert_int_equal(pb_op_run_reverse(&tape, cot, grad, o, &warn, &err), 0);
+    for (int k = 0; k < 3; k++)
+        r->grad[k] = grad[k];
+    pb_tensor_clear(&cot[0]);
+    pb_tapedata_clear(&tape);
+    pb_call_clear(&c);
+}
+
+static void fd_result_clear(fd_result_t *r)
+{
+    pb_tensor_clear(&r->y);
+    for (int k = 0; k < 3; k++)
+        pb_tensor_clear(&r->grad[k]);
+}
+
+static void fused_dense_split_matches(void **state)
+{
+    (void)state;
+    for (int d = PB_F32; d <= PB_F64; d++)
+        for (int oc = 0; oc < 2; oc++) {
+            char o = oc ? 'F' : 'C';
+            fd_result_t one, split;
+            pb_par_set_backend(NULL);
+            fd_run((pb_dtype_t)d, o, &one);
+            pb_par_set_backend(&fake);
+            /* Helpers may wake too late to take a piece of one pass: run
+             * until one of them has, each run bitwise as unsplit. */
+            unsigned long long helped = 0;
+            for (int rep = 0; rep < 50 && helped == 0; rep++) {
+                while (atomic_load(&idle_threads) < NHELPERS)
+                    usleep(100);
+                unsigned long long t0, h0, t1, h1;
+                pb_par_counts(&t0, &h0);
+                fd_run((pb_dtype_t)d, o, &split);
+                pb_par_counts(&t1, &h1);
+                assert_int_equal(t1 - t0, 2); /* the bias+act pass and the dz pass */
+                helped = h1 - h0;
+                const pb_tensor_t *a[4] = {&one.y, &one.grad[0], &one.grad[1], &one.grad[2]};
+                const pb_tensor_t *b[4] = {&split.y, &split.grad[0], &split.grad[1], &split.grad[2]};
+                for (int k = 0; k < 4; k++) {
+                    assert_int_equal(pb_tensor_bytes(a[k]), pb_tensor_bytes(b[k]));
+                    if (memcmp(pb_tensor_data(a[k]), pb_tensor_data(b[k]), pb_tensor_bytes(a[k])) != 0)
+                        fail_msg("dtype %d order %c: output %d differs split", d, o, k);
+                }
+                fd_result_clear(&split);
+            }
+            assert_true(helped > 0);
+            fd_result_clear(&one);
+        }
+}
+
+
 /* Permutations, axpby and accumulations big enough to split give
  * bitwise what the unsplit pass gives: each element is computed by one
  * piece in the same way.  Shapes leave partial tiles at every edge. */
@@ -463,7 +567,8 @@ int main(void)
         cmocka_unit_test(inline_below_two_grains), cmocka_unit_test(idle_threads_help),
         cmocka_unit_test(odd_sizes), cmocka_unit_test(nested), cmocka_unit_test(concurrent),
         cmocka_unit_test(gemm_split_matches), cmocka_unit_test(gemm_views),
-        cmocka_unit_test(strided_split_matches), cmocka_unit_test(strided_reduction_not_split),
+        cmocka_unit_test(fused_dense_split_matches), cmocka_unit_test(strided_split_matches),
+        cmocka_unit_test(strided_reduction_not_split),
     };
     return cmocka_run_group_tests_name("unit.par", tests, setup, teardown);
 }
