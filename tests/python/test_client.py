@@ -101,6 +101,29 @@ class CodecTest(unittest.TestCase):
         t = pullbackd.encode_tensor(big)
         self.assertEqual((t["dtype"], bytes(t["data"])), ("c128", big.astype("<c16").tobytes()))
 
+    def test_pack_sends_big_data_in_place(self):
+        # A request packs whole in C; each big tensor's data is cut out of
+        # the packed bytes and sent from the array's own memory, in order.
+        from pullbackd import _pack, _tensors
+        big1, big2 = np.arange(20000.0), np.arange(30000, dtype=np.float32).reshape(100, 300)
+        small = np.arange(5.0)
+        msg = [0, 7, "forward", [{"op": "x", "inputs": _tensors({"a": big1, "s": small, "b": big2}),
+                                  "note": "\xc4\x10" + "m" * 16}]]
+        parts = _pack(msg)
+        self.assertEqual(len(parts), 5)
+        self.assertTrue(np.shares_memory(np.asarray(parts[1]), big1))
+        self.assertTrue(np.shares_memory(np.asarray(parts[3]), big2))
+        got = msgpack.unpackb(b"".join(bytes(p) for p in parts), raw=False)
+        ins = got[3][0]["inputs"]
+        self.assertEqual(ins["a"]["data"], big1.tobytes())
+        self.assertEqual(ins["b"]["data"], big2.tobytes())
+        self.assertEqual(ins["s"]["data"], small.tobytes())
+        self.assertEqual(got[3][0]["note"], "\xc4\x10" + "m" * 16)
+        # Nothing big: one chunk, msgpack's own bytes.
+        self.assertEqual(_pack([2, "release", [{"tape": 1}]]), [msgpack.packb([2, "release", [{"tape": 1}]])])
+        with self.assertRaises(TypeError):
+            _pack([0, 1, "x", [{"bad": object()}]])
+
     def test_dtypes(self):
         self.assertEqual(pullbackd.encode_tensor([[1, 2], [3, 4]])["dtype"], "f64")
         self.assertEqual(pullbackd.encode_tensor(3)["shape"], [])

@@ -267,8 +267,24 @@ def _params(**kw):
     return {k: v for k, v in kw.items() if v is not None}
 
 
+class _Big:
+    """A big tensor's data in a message being packed: _pack sends it from
+    its own memory instead of copying it into the packed bytes."""
+    __slots__ = ("view",)
+
+    def __init__(self, view):
+        self.view = view
+
+
 def _tensors(arrays):
-    return {name: encode_tensor(a) for name, a in arrays.items()}
+    out = {}
+    for name, a in arrays.items():
+        t = encode_tensor(a)
+        data = t.get("data")
+        if isinstance(data, memoryview) and data.nbytes >= _BIG:
+            t["data"] = _Big(data)
+        out[name] = t
+    return out
 
 
 def _arrays(tensors):
@@ -359,39 +375,32 @@ class _ReplyBuffers:
         self.buffers.clear()
 
 
-def _has_big(obj):
-    if isinstance(obj, dict):
-        return any(_has_big(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_big(v) for v in obj)
-    return isinstance(obj, memoryview) and obj.nbytes >= _BIG
+_MARK = os.urandom(8)  # big data's placeholders in packed bytes start so
 
 
-def _pack_parts(msg):
-    """msg as a list of byte chunks: packed runs of small values, and the big
-    bins' headers followed by the arrays' own memory."""
-    packer = msgpack.Packer(autoreset=False)
-    parts = []
+def _pack(msg):
+    """msg as a list of byte chunks: msgpack's C packer packs it whole, each
+    big tensor's data (_Big, made by _tensors) standing in as a 16-byte
+    placeholder; the placeholders are then cut out and replaced by a bin32
+    header and the array's own memory."""
+    bigs = []
 
-    def walk(o):
-        if isinstance(o, dict):
-            packer.pack_map_header(len(o))
-            for k, v in o.items():
-                walk(k)
-                walk(v)
-        elif isinstance(o, (list, tuple)):
-            packer.pack_array_header(len(o))
-            for v in o:
-                walk(v)
-        elif isinstance(o, memoryview) and o.nbytes >= _BIG:
-            parts.append(packer.bytes() + struct.pack(">BI", 0xc6, o.nbytes))
-            packer.reset()
-            parts.append(o.cast("B") if o.format != "B" or o.ndim != 1 else o)
-        else:
-            packer.pack(o)
+    def hook(o):
+        if isinstance(o, _Big):
+            bigs.append(o.view)
+            return _MARK + struct.pack("<Q", len(bigs) - 1)
+        raise TypeError(f"cannot send a {type(o).__name__}")
 
-    walk(msg)
-    parts.append(packer.bytes())
+    packed = msgpack.packb(msg, default=hook)
+    if not bigs:
+        return [packed]
+    parts, at = [], 0
+    for i, view in enumerate(bigs):
+        pos = packed.index(b"\xc4\x10" + _MARK + struct.pack("<Q", i), at)
+        parts.append(packed[at:pos] + struct.pack(">BI", 0xc6, view.nbytes))
+        parts.append(view.cast("B") if view.format != "B" or view.ndim != 1 else view)
+        at = pos + 18
+    parts.append(packed[at:])
     return parts
 
 
@@ -596,11 +605,11 @@ class Client:
         """Send one message, preceded by the releases of collected tapes.
 
         fds ride as SCM_RIGHTS on the sendmsg that carries the message's first
-        bytes; big tensors go out from their own memory (_pack_parts).
+        bytes; big tensors go out from their own memory (_pack).
         """
         if self._sock is None:
             raise ConnectionError("the client is closed")
-        parts = _pack_parts(msg) if _has_big(msg) else [msgpack.packb(msg)]
+        parts = _pack(msg)
         with self._write_lock:
             self._send_releases()
             if fds or len(parts) > 1:
