@@ -147,8 +147,9 @@ class Flood(DaemonCase):
 
 
 class IdleTrim(DaemonCase):
-    """Memory kept for reuse (glibc's heap, up to 1 GiB free) goes back to
-    the system after --idle-trim seconds without requests."""
+    """Memory kept for reuse (the large-block cache, kernels/mem.h, and
+    glibc's heap) goes back to the system after --idle-trim seconds
+    without work."""
 
     DAEMON_ARGS = ["--idle-trim", "2"]
 
