@@ -98,8 +98,8 @@ struct pb_client {
     int nseg;
 
     /* Read, not yet framed: rb->data[rpos, rend), the start of the message
-     * that scan walks.  rb is small, or while a big message arrives a
-     * buffer of its own. */
+     * that scan walks.  rb is small (the reference is small's), or while a
+     * big message arrives a buffer of its own (with a reference of rb's). */
     client_rbuf_t *rb;
     size_t rpos, rend;
     pb_scan_t scan;
@@ -449,7 +449,7 @@ static int client_room(pb_client_t *c, size_t *stop)
                 size_t grown = client_grown(c, need);
                 size = grown > size ? grown : size;
             }
-                    client_rbuf_t *nb = client_pool_take(c, size);
+            client_rbuf_t *nb = client_pool_take(c, size);
             if (nb == NULL)
                 return -ENOMEM;
             memcpy(nb->data, rb->data + c->rpos, have);
