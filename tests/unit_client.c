@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -693,6 +694,268 @@ static void test_recv_malformed(void **state)
     pb_client_close(c);
 }
 
+/* ---- big replies ------------------------------------------------------- */
+
+/* Append [1, msgid, nil, [bin, ...]] to sb: nbins bins of len bytes, byte k
+ * of bin b being (k * 31 + b + seed) & 0xff. */
+static void pack_bins(msgpack_sbuffer *sb, uint32_t msgid, int nbins, size_t len, unsigned seed)
+{
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_uint32(&pk, msgid);
+    msgpack_pack_nil(&pk);
+    msgpack_pack_array(&pk, (size_t)nbins);
+    unsigned char *p = malloc(len);
+    assert_non_null(p);
+    for (int b = 0; b < nbins; b++) {
+        for (size_t k = 0; k < len; k++)
+            p[k] = (unsigned char)(k * 31 + (size_t)b + seed);
+        msgpack_pack_bin(&pk, len);
+        msgpack_pack_bin_body(&pk, p, len);
+    }
+    free(p);
+}
+
+/* r is a pack_bins reply with those arguments, every byte as written. */
+static void check_bins(const pb_reply_t *r, uint32_t msgid, int nbins, size_t len, unsigned seed)
+{
+    assert_int_equal(r->msgid, msgid);
+    assert_non_null(r->result);
+    assert_int_equal(r->result->type, MSGPACK_OBJECT_ARRAY);
+    assert_int_equal(r->result->via.array.size, (uint32_t)nbins);
+    for (int b = 0; b < nbins; b++) {
+        const msgpack_object *o = &r->result->via.array.ptr[b];
+        assert_int_equal(o->type, MSGPACK_OBJECT_BIN);
+        assert_int_equal(o->via.bin.size, len);
+        const unsigned char *p = (const unsigned char *)o->via.bin.ptr;
+        for (size_t k = 0; k < len; k++)
+            if (p[k] != (unsigned char)(k * 31 + (size_t)b + seed))
+                fail_msg("bin %d byte %zu is %u", b, k, p[k]);
+    }
+}
+
+static const void *first_bin(const pb_reply_t *r)
+{
+    return r->result->via.array.ptr[0].via.bin.ptr;
+}
+
+/* A child writes sb to peer in one go. */
+static pid_t write_child(int peer, const msgpack_sbuffer *sb)
+{
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        alarm(30);
+        write_all(peer, sb->data, sb->size);
+        _exit(0);
+    }
+    return pid;
+}
+
+static void reap(pid_t pid)
+{
+    int st;
+    assert_int_equal(waitpid(pid, &st, 0), pid);
+    assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+}
+
+/* A big reply in many small pieces, its header split byte by byte (the
+ * client cannot know its length until the bin32 header is all there), two
+ * bins (the second length comes only after the first bin's bytes), then
+ * small replies in the same stream. */
+static void test_recv_big_in_pieces(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    msgpack_sbuffer sb;
+    pb_reply_t r;
+    const size_t len = (3u << 20) + 12345;
+
+    msgpack_sbuffer_init(&sb);
+    pack_bins(&sb, 1, 2, len, 7);
+    pack_ok(&sb, 2, 20);
+    pack_err(&sb, 3, "internal", "after the big one");
+    /* Pieces of 1 byte with pauses over the header, then of 4099 bytes. */
+    pid_t pid = fork();
+    assert_true(pid >= 0);
+    if (pid == 0) {
+        alarm(30);
+        for (size_t i = 0; i < 16; i++) {
+            write_all(peer, sb.data + i, 1);
+            usleep(1000);
+        }
+        for (size_t at = 16; at < sb.size; at += 4099)
+            write_all(peer, sb.data + at, sb.size - at < 4099 ? sb.size - at : 4099);
+        _exit(0);
+    }
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    check_bins(&r, 1, 2, len, 7);
+    pb_reply_t r2, r3;
+    assert_int_equal(pb_client_recv(c, &r2), 0);
+    assert_int_equal(r2.msgid, 2);
+    assert_int_equal(reply_n(&r2), 20);
+    assert_int_equal(pb_client_recv(c, &r3), 0);
+    assert_string_equal(pb_reply_message(&r3), "after the big one");
+    check_bins(&r, 1, 2, len, 7); /* still intact */
+    pb_reply_free(&r);
+    pb_reply_free(&r2);
+    pb_reply_free(&r3);
+    reap(pid);
+
+    msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
+/* Several replies in one write: small, big, small, big, big, small. */
+static void test_recv_big_and_small_in_one_read(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    msgpack_sbuffer sb;
+    pb_reply_t r[6];
+    const size_t len = (2u << 20) + 1;
+
+    msgpack_sbuffer_init(&sb);
+    pack_ok(&sb, 1, 10);
+    pack_bins(&sb, 2, 1, len, 1);
+    pack_ok(&sb, 3, 30);
+    pack_bins(&sb, 4, 1, len, 2);
+    pack_bins(&sb, 5, 3, len / 3, 3);
+    pack_ok(&sb, 6, 60);
+    pid_t pid = write_child(peer, &sb);
+    for (int i = 0; i < 6; i++) {
+        assert_int_equal(pb_client_recv(c, &r[i]), 0);
+        assert_int_equal(r[i].msgid, (uint32_t)i + 1);
+    }
+    /* All kept: none was received over another. */
+    assert_int_equal(reply_n(&r[0]), 10);
+    check_bins(&r[1], 2, 1, len, 1);
+    assert_int_equal(reply_n(&r[2]), 30);
+    check_bins(&r[3], 4, 1, len, 2);
+    check_bins(&r[4], 5, 3, len / 3, 3);
+    assert_int_equal(reply_n(&r[5]), 60);
+    for (int i = 0; i < 6; i++)
+        pb_reply_free(&r[i]);
+    reap(pid);
+
+    msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
+typedef struct {
+    int peer;
+    const msgpack_sbuffer *sb;
+} piece_writer_t;
+
+/* Write sb in pieces of 100000 bytes, pausing after the first three.  A
+ * thread, not a child: after fork() every page of ours would be
+ * copy-on-write, and faults are what test_recv_big_reuse counts. */
+static void *write_pieces(void *arg)
+{
+    piece_writer_t *w = arg;
+    for (size_t at = 0, i = 0; at < w->sb->size; i++) {
+        size_t n = w->sb->size - at < 100000 ? w->sb->size - at : 100000;
+        write_all(w->peer, w->sb->data + at, n);
+        at += n;
+        if (i < 3)
+            usleep(2000);
+    }
+    return NULL;
+}
+
+static long minor_faults(void)
+{
+    struct rusage ru;
+    assert_int_equal(getrusage(RUSAGE_SELF, &ru), 0);
+    return ru.ru_minflt;
+}
+
+/* Receive one pack_bins reply sent in pieces; the page faults the receive
+ * took into *faults (may be NULL). */
+static void recv_bins_faults(pb_client_t *c, int peer, pb_reply_t *r, uint32_t msgid, int nbins,
+                             size_t len, unsigned seed, long *faults)
+{
+    msgpack_sbuffer sb;
+    pthread_t th;
+    msgpack_sbuffer_init(&sb);
+    pack_bins(&sb, msgid, nbins, len, seed);
+    piece_writer_t w = { peer, &sb };
+    assert_int_equal(pthread_create(&th, NULL, write_pieces, &w), 0);
+    long f0 = minor_faults();
+    assert_int_equal(pb_client_recv(c, r), 0);
+    if (faults != NULL)
+        *faults = minor_faults() - f0;
+    assert_int_equal(pthread_join(th, NULL), 0);
+    check_bins(r, msgid, nbins, len, seed);
+    msgpack_sbuffer_destroy(&sb);
+}
+
+static void recv_bins(pb_client_t *c, int peer, pb_reply_t *r, uint32_t msgid, int nbins, size_t len,
+                      unsigned seed)
+{
+    recv_bins_faults(c, peer, r, msgid, nbins, len, seed, NULL);
+}
+
+/* A reply kept while later big replies arrive stays intact (its buffer is
+ * not lent again), and one freed gives its memory to the next big reply. */
+static void test_recv_big_reuse(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    pb_reply_t kept, r;
+    const size_t len = 5u << 20;
+
+    recv_bins(c, peer, &kept, 1, 1, len, 11);
+    uintptr_t kept_at = (uintptr_t)first_bin(&kept);
+    for (uint32_t i = 0; i < 4; i++) {
+        recv_bins(c, peer, &r, 2 + i, 1, len, 20 + i);
+        assert_true((uintptr_t)first_bin(&r) != kept_at);
+        pb_reply_free(&r);
+    }
+    check_bins(&kept, 1, 1, len, 11);
+
+    /* Freed, a buffer is lent again: the same memory, and no fresh pages.
+     * Fresh memory faults once per 4 KiB page it touches: once per page of
+     * a buffer sized at once, about twice as often when it grows by
+     * doubling.  The size is past glibc's largest mmap threshold (32 MiB),
+     * so that malloc itself would map fresh pages for each reply. */
+    const size_t huge = 36u << 20;
+    long faults;
+    recv_bins_faults(c, peer, &r, 10, 1, huge, 30, &faults);
+    if (faults > (long)(huge / 4096 * 3 / 2))
+        fail_msg("%ld page faults for a first reply of %zu bytes", faults, huge);
+    uintptr_t at = (uintptr_t)first_bin(&r);
+    pb_reply_free(&r);
+    recv_bins_faults(c, peer, &r, 11, 1, huge, 31, &faults);
+    assert_true((uintptr_t)first_bin(&r) == at);
+    if (faults > (long)(huge / 4096 / 8))
+        fail_msg("%ld page faults for a reply of %zu bytes into a reused buffer", faults, huge);
+    pb_reply_free(&r);
+    /* So for a reply whose size is learnt one bin at a time, once it has
+     * been seen. */
+    recv_bins(c, peer, &r, 12, 3, len / 2, 40);
+    pb_reply_free(&r);
+    recv_bins(c, peer, &r, 13, 3, len / 2, 41);
+    at = (uintptr_t)first_bin(&r);
+    pb_reply_free(&r);
+    recv_bins(c, peer, &r, 14, 3, len / 2, 42);
+    assert_true((uintptr_t)first_bin(&r) == at);
+    pb_reply_free(&r);
+
+    /* A kept reply outlives its client. */
+    close(peer);
+    pb_client_close(c);
+    check_bins(&kept, 1, 1, len, 11);
+    pb_reply_free(&kept);
+}
+
 /* ---- sending ----------------------------------------------------------- */
 
 /* ---- big tensors sent in place ---------------------------------------- */
@@ -1006,6 +1269,9 @@ int main(void)
         cmocka_unit_test(test_recv_two_in_one_read),
         cmocka_unit_test(test_unexpected_msgid_queued),
         cmocka_unit_test(test_recv_malformed),
+        cmocka_unit_test(test_recv_big_in_pieces),
+        cmocka_unit_test(test_recv_big_and_small_in_one_read),
+        cmocka_unit_test(test_recv_big_reuse),
         cmocka_unit_test(test_send_encoding),
         cmocka_unit_test(test_send_in_place),
         cmocka_unit_test(test_pipeline_no_deadlock),

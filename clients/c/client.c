@@ -8,10 +8,18 @@
  * pipelining many requests without reading cannot deadlock against a daemon
  * blocked on writing the replies.
  *
- * Receiving: bytes go into a msgpack_unpacker, which frames messages
- * incrementally.  Each complete message comes out with its own zone; str and
- * bin payloads point into the unpacker's buffer, which the zone keeps alive
- * by reference count, so a reply stays valid however much is read after it.
+ * Receiving: bytes are read into a receive buffer and framed by the
+ * daemon's own scan (proto/wire.h) before anything is unpacked; a complete
+ * message goes to msgpack_unpack_next, which gives it its own zone, and its
+ * str and bin payloads point into the buffer.  Buffers are reference
+ * counted (client_rbuf_t): every reply holds its buffer through a finalizer
+ * on its zone, so a reply stays valid however much is read after it, and
+ * after the client is closed.  Small messages share one buffer that grows
+ * up to CLIENT_BIG.  A bigger one is read into a buffer of its own, sized at
+ * once from the lengths its header declares as soon as the scan has seen
+ * them, so that it arrives with no copy of ours and no doubling; the client
+ * keeps a few such buffers (client_pool_take) and lends one again once no
+ * reply points into it, since fresh memory costs a page fault per 4 KiB.
  * Replies read while looking for another msgid wait in a FIFO queue. */
 #define _GNU_SOURCE
 #include "pullbackd.h"
@@ -26,8 +34,25 @@
 #include <time.h>
 #include <unistd.h>
 
-/* How much room to make in the receive buffer before each read. */
+#include "proto/wire.h"
+
+/* The first size of the buffer small messages share. */
 #define CLIENT_READ_CHUNK (64 * 1024)
+/* The least room the small buffer offers a read. */
+#define CLIENT_READ_MIN (16 * 1024)
+/* A message at least this long gets a receive buffer of its own. */
+#define CLIENT_BIG (1u << 20)
+/* Read past a big message's known end, for the header of the next one;
+ * reads stop there, so what follows a big message (moved back to the small
+ * buffer) stays short. */
+#define CLIENT_SLACK (64 * 1024)
+/* Big receive buffers kept for reuse: at most this many, this many bytes
+ * together; the least recently taken goes first. */
+#define CLIENT_KEEP_BIG 2
+#define CLIENT_KEEP_BYTES ((size_t)512 << 20)
+/* The sizes big messages came to, by the need that first made them big:
+ * entries remembered. */
+#define CLIENT_GROWN 8
 /* A send buffer larger than this after a request is freed rather than kept
  * for the next one, so one big tensor does not pin its memory forever. */
 #define CLIENT_KEEP_SBUF (1024 * 1024)
@@ -39,9 +64,20 @@
 
 enum client_begun { BEGUN_NONE, BEGUN_REQUEST, BEGUN_NOTIFY };
 
-/* Ownership: the client owns fd, the send buffer, the unpacker (and with it
- * the read buffer, shared by reference count with the replies it produced)
- * and the queued replies.  Replies handed out belong to the caller. */
+/* A receive buffer.  Reference counted: the client holds one reference
+ * while it reads into it and one for each buffer it keeps for reuse, and
+ * every reply whose payloads point into it holds one (dropped by its zone's
+ * finalizer).  The last holder frees it, in any order and on any thread. */
+typedef struct client_rbuf {
+    size_t refs; /* atomic */
+    size_t cap;  /* bytes of data */
+    char data[];
+} client_rbuf_t;
+
+/* Ownership: the client owns fd, the send buffer, its references to the
+ * receive buffers (rb, small, keep) and the queued replies.  Replies handed
+ * out belong to the caller, and each holds its own reference to the buffer
+ * its payloads lie in. */
 struct pb_client {
     int fd;
     uint32_t next_msgid; /* never 0 */
@@ -61,7 +97,26 @@ struct pb_client {
     } seg[CLIENT_MAXSEG];
     int nseg;
 
-    msgpack_unpacker unp;
+    /* Read, not yet framed: rb->data[rpos, rend), the start of the message
+     * that scan walks.  rb is small (the reference is small's), or while a
+     * big message arrives a buffer of its own (with a reference of rb's). */
+    client_rbuf_t *rb;
+    size_t rpos, rend;
+    pb_scan_t scan;
+    size_t framed;       /* the message at rpos is complete and this long; 0
+                            while scan is still walking it */
+    client_rbuf_t *small;
+    client_rbuf_t *keep[CLIENT_KEEP_BIG]; /* least recently taken first */
+    int nkeep;
+    /* A big message's length is learnt one payload at a time (a bin's
+     * header follows the bytes of the bin before it): the lengths messages
+     * came to, by their first need, size the next one of the same header
+     * at once. */
+    struct client_grown {
+        size_t first, size;
+    } grown[CLIENT_GROWN];
+    unsigned grown_next;
+    size_t first_need;   /* of the big message being read */
     bool eof;            /* the daemon closed its end */
     int broken;          /* sticky receive error (-EPROTO, -ENOMEM) or 0 */
 
@@ -108,6 +163,104 @@ static int ms_left(const struct timespec *deadline)
     if (ms < 0)
         return 0;
     return ms > INT_MAX ? INT_MAX : (int)ms;
+}
+
+/* ---- Receive buffers --------------------------------------------------- */
+
+static client_rbuf_t *rbuf_new(size_t cap)
+{
+    if (cap > SIZE_MAX - sizeof(client_rbuf_t))
+        return NULL;
+    client_rbuf_t *b = malloc(sizeof *b + cap);
+    if (b == NULL)
+        return NULL;
+    b->refs = 1;
+    b->cap = cap;
+    return b;
+}
+
+static void rbuf_get(client_rbuf_t *b)
+{
+    __atomic_add_fetch(&b->refs, 1, __ATOMIC_RELAXED);
+}
+
+static void rbuf_put(client_rbuf_t *b)
+{
+    if (b != NULL && __atomic_sub_fetch(&b->refs, 1, __ATOMIC_ACQ_REL) == 0)
+        free(b);
+}
+
+/* A zone finalizer: the reply that pointed into the buffer is gone. */
+static void rbuf_release(void *b)
+{
+    rbuf_put(b);
+}
+
+/* True when nobody but one holder (the caller) refers to b: no reply points
+ * into it.  Only the client makes new references, so this stays true until
+ * it makes one. */
+static bool rbuf_alone(client_rbuf_t *b)
+{
+    return __atomic_load_n(&b->refs, __ATOMIC_ACQUIRE) == 1;
+}
+
+/* A big buffer of at least size bytes that no reply points into, with a
+ * reference for the caller: a kept one of size..2*size bytes when there is
+ * one (its pages are already mapped), else a new one, kept in turn unless
+ * it is larger than all that may be kept.  Contents undefined. */
+static client_rbuf_t *client_pool_take(pb_client_t *c, size_t size)
+{
+    int best = -1;
+    for (int i = 0; i < c->nkeep; i++) {
+        client_rbuf_t *b = c->keep[i];
+        if (b->cap >= size && b->cap / 2 <= size && rbuf_alone(b) &&
+            (best < 0 || b->cap < c->keep[best]->cap))
+            best = i;
+    }
+    client_rbuf_t *b;
+    if (best >= 0) {
+        b = c->keep[best];
+        memmove(&c->keep[best], &c->keep[best + 1], (size_t)(c->nkeep - best - 1) * sizeof *c->keep);
+        c->nkeep--;
+    } else {
+        b = rbuf_new(size);
+        if (b == NULL || size > CLIENT_KEEP_BYTES)
+            return b;
+    }
+    size_t held = b->cap;
+    for (int i = 0; i < c->nkeep; i++)
+        held += c->keep[i]->cap;
+    while (c->nkeep == CLIENT_KEEP_BIG || (c->nkeep > 0 && held > CLIENT_KEEP_BYTES)) {
+        /* A reply still pointing into it keeps it until freed. */
+        held -= c->keep[0]->cap;
+        rbuf_put(c->keep[0]);
+        memmove(&c->keep[0], &c->keep[1], (size_t)(c->nkeep - 1) * sizeof *c->keep);
+        c->nkeep--;
+    }
+    rbuf_get(b);
+    c->keep[c->nkeep++] = b;
+    return b;
+}
+
+/* The length the last big message that began with this need came to. */
+static size_t client_grown(const pb_client_t *c, size_t first)
+{
+    for (int i = 0; i < CLIENT_GROWN; i++)
+        if (c->grown[i].first == first)
+            return c->grown[i].size;
+    return 0;
+}
+
+static void client_grown_note(pb_client_t *c, size_t first, size_t size)
+{
+    for (int i = 0; i < CLIENT_GROWN; i++) {
+        if (c->grown[i].first == first) {
+            c->grown[i].size = size;
+            return;
+        }
+    }
+    c->grown[c->grown_next] = (struct client_grown){ first, size };
+    c->grown_next = (c->grown_next + 1) % CLIENT_GROWN;
 }
 
 /* ---- Socket path and connection --------------------------------------- */
@@ -222,7 +375,8 @@ int pb_client_from_fd(int fd, pb_client_t **out)
         close(fd);
         return -ENOMEM;
     }
-    if (!msgpack_unpacker_init(&c->unp, CLIENT_READ_CHUNK)) {
+    c->small = c->rb = rbuf_new(CLIENT_READ_CHUNK);
+    if (c->rb == NULL) {
         free(c);
         close(fd);
         return -ENOMEM;
@@ -242,7 +396,11 @@ void pb_client_close(pb_client_t *c)
     for (size_t i = 0; i < c->qlen; i++)
         pb_reply_free(&c->queue[i]);
     free(c->queue);
-    msgpack_unpacker_destroy(&c->unp);
+    if (c->rb != c->small)
+        rbuf_put(c->rb);
+    rbuf_put(c->small);
+    for (int i = 0; i < c->nkeep; i++)
+        rbuf_put(c->keep[i]);
     msgpack_sbuffer_destroy(&c->out);
     close(c->fd);
     free(c);
@@ -255,19 +413,117 @@ int pb_client_fd(const pb_client_t *c)
 
 /* ---- Reading ----------------------------------------------------------- */
 
-/* One recv() into the unpacker.  1 when bytes came, 0 at end of stream
- * (eof is then set), -EAGAIN when nothing was there, or -errno. */
+/* Scan the message at rpos as far as it has arrived: 1 with its length
+ * when it is complete, 0 when more is needed (scan.need may say how much),
+ * PB_EPARSE when it can never be a message. */
+static int client_scan(pb_client_t *c, size_t *len)
+{
+    if (c->framed == 0) {
+        int rc = pb_scan_feed(&c->scan, (const uint8_t *)c->rb->data + c->rpos, c->rend - c->rpos,
+                              SIZE_MAX, &c->framed);
+        if (rc <= 0)
+            return rc;
+    }
+    *len = c->framed;
+    return 1;
+}
+
+/* Make room for a read: rb holds the unframed bytes at rpos with room for
+ * what the message there needs at least (so far as its scan knows), in a
+ * buffer of its own when that is CLIENT_BIG or more.  Bytes that hold
+ * complete messages already (read while sending) stay in the small buffer,
+ * which then grows.  *stop: where the read must end. */
+static int client_room(pb_client_t *c, size_t *stop)
+{
+    size_t have = c->rend - c->rpos;
+    size_t len;
+    bool partial = client_scan(c, &len) == 0;
+    size_t need = partial && c->scan.need > have ? c->scan.need : have + 1;
+    client_rbuf_t *rb = c->rb;
+
+    if ((partial && need >= CLIENT_BIG) || rb != c->small) {
+        if (rb == c->small || c->rpos + need > rb->cap) {
+            size_t size = need + CLIENT_SLACK;
+            if (rb == c->small) {
+                c->first_need = need;
+                size_t grown = client_grown(c, need);
+                size = grown > size ? grown : size;
+            }
+            client_rbuf_t *nb = client_pool_take(c, size);
+            if (nb == NULL)
+                return -ENOMEM;
+            memcpy(nb->data, rb->data + c->rpos, have);
+            if (rb != c->small)
+                rbuf_put(rb);
+            c->rb = nb;
+            c->rpos = 0;
+            c->rend = have;
+        }
+        size_t end = c->rpos + need + CLIENT_SLACK;
+        *stop = end < c->rb->cap ? end : c->rb->cap;
+        return 0;
+    }
+    size_t want = have + CLIENT_READ_MIN > need ? have + CLIENT_READ_MIN : need;
+    if (c->rpos + want > rb->cap) {
+        /* Move the unframed bytes to the front: of this buffer when no
+         * reply points into it and it is long enough, else of a new one. */
+        size_t cap = rb->cap;
+        while (cap < want)
+            cap *= 2;
+        if (cap == rb->cap && rbuf_alone(rb)) {
+            memmove(rb->data, rb->data + c->rpos, have);
+        } else {
+            client_rbuf_t *nb = rbuf_new(cap);
+            if (nb == NULL)
+                return -ENOMEM;
+            memcpy(nb->data, rb->data + c->rpos, have);
+            rbuf_put(rb);
+            c->small = c->rb = nb;
+        }
+        c->rpos = 0;
+        c->rend = have;
+    }
+    *stop = c->rb->cap;
+    return 0;
+}
+
+/* A big message has been framed in rb: what follows it goes back to the
+ * small buffer (a new one when a reply still points into the old one). */
+static int client_leave_big(pb_client_t *c, size_t len)
+{
+    size_t rest = c->rend - c->rpos;
+    client_rbuf_t *s = c->small;
+
+    client_grown_note(c, c->first_need, len + CLIENT_SLACK);
+    if (!rbuf_alone(s) || rest > s->cap) {
+        s = rbuf_new(rest > CLIENT_READ_CHUNK ? rest : CLIENT_READ_CHUNK);
+        if (s == NULL)
+            return -ENOMEM;
+        rbuf_put(c->small);
+        c->small = s;
+    }
+    memcpy(s->data, c->rb->data + c->rpos, rest);
+    rbuf_put(c->rb);
+    c->rb = s;
+    c->rpos = 0;
+    c->rend = rest;
+    return 0;
+}
+
+/* One recv() into the receive buffer.  1 when bytes came, 0 at end of
+ * stream (eof is then set), -EAGAIN when nothing was there, or -errno. */
 static int client_fill(pb_client_t *c)
 {
-    if (!msgpack_unpacker_reserve_buffer(&c->unp, CLIENT_READ_CHUNK)) {
-        c->broken = -ENOMEM;
-        return -ENOMEM;
+    size_t stop;
+    int rc = client_room(c, &stop);
+    if (rc < 0) {
+        c->broken = rc;
+        return rc;
     }
     for (;;) {
-        ssize_t r = recv(c->fd, msgpack_unpacker_buffer(&c->unp),
-                         msgpack_unpacker_buffer_capacity(&c->unp), MSG_DONTWAIT);
+        ssize_t r = recv(c->fd, c->rb->data + c->rend, stop - c->rend, MSG_DONTWAIT);
         if (r > 0) {
-            msgpack_unpacker_buffer_consumed(&c->unp, (size_t)r);
+            c->rend += (size_t)r;
             return 1;
         }
         if (r == 0) {
@@ -338,24 +594,27 @@ static int reply_take(msgpack_unpacked *up, pb_reply_t *out)
 }
 
 /* Frame one message from what has been read.  1 with *out filled, 0 when
- * more bytes are needed, or a negative code. */
-static int client_parse(pb_client_t *c, pb_reply_t *out)
+ * more bytes are needed, or a negative code.  With leave_bad, a message
+ * that is no reply is left unread (0) for a later receive to report. */
+static int client_parse(pb_client_t *c, pb_reply_t *out, bool leave_bad)
 {
     msgpack_unpacked up;
-    int rc;
+    pb_reply_t r;
+    size_t len, off = 0;
 
     if (c->broken < 0)
         return c->broken;
-    msgpack_unpacked_init(&up);
-    switch (msgpack_unpacker_next(&c->unp, &up)) {
-    case MSGPACK_UNPACK_SUCCESS:
-        /* The message is framed, so the stream stays in step even when it
-         * is not a response. */
-        rc = reply_take(&up, out);
-        msgpack_unpacked_destroy(&up);
-        return rc < 0 ? rc : 1;
-    case MSGPACK_UNPACK_CONTINUE:
+    int rc = client_scan(c, &len);
+    if (rc == 0)
         return 0;
+    if (rc < 0) {
+        c->broken = -EPROTO;
+        return -EPROTO;
+    }
+    msgpack_unpacked_init(&up);
+    switch (msgpack_unpack_next(&up, c->rb->data + c->rpos, len, &off)) {
+    case MSGPACK_UNPACK_SUCCESS:
+        break;
     case MSGPACK_UNPACK_NOMEM_ERROR:
         c->broken = -ENOMEM;
         return -ENOMEM;
@@ -363,6 +622,37 @@ static int client_parse(pb_client_t *c, pb_reply_t *out)
         c->broken = -EPROTO;
         return -EPROTO;
     }
+    rc = reply_take(&up, &r);
+    msgpack_unpacked_destroy(&up);
+    if (rc < 0 && leave_bad)
+        return 0;
+    /* The reply's payloads point into rb: its zone keeps rb alive. */
+    if (rc == 0) {
+        if (!msgpack_zone_push_finalizer(r.up.zone, rbuf_release, c->rb)) {
+            pb_reply_free(&r);
+            c->broken = -ENOMEM;
+            return -ENOMEM;
+        }
+        rbuf_get(c->rb);
+    }
+    /* The message is framed, so the stream stays in step even when it is
+     * not a response. */
+    c->rpos += len;
+    c->framed = 0;
+    pb_scan_reset(&c->scan);
+    if (c->rb != c->small) {
+        int lrc = client_leave_big(c, len);
+        if (lrc < 0) {
+            if (rc == 0)
+                pb_reply_free(&r);
+            c->broken = lrc;
+            return lrc;
+        }
+    }
+    if (rc < 0)
+        return rc;
+    *out = r;
+    return 1;
 }
 
 /* The next reply from the socket (not the queue).  timeout_ms < 0 waits
@@ -381,7 +671,7 @@ static int client_read_reply(pb_client_t *c, pb_reply_t *out, int timeout_ms)
         }
     }
     for (;;) {
-        int rc = client_parse(c, out);
+        int rc = client_parse(c, out, false);
         if (rc != 0)
             return rc < 0 ? rc : 0;
         if (c->eof)
@@ -442,21 +732,31 @@ int pb_client_recv(pb_client_t *c, pb_reply_t *out)
     return pb_client_recv_timeout(c, out, -1);
 }
 
+/* Frame the replies that lie complete in what has been read and queue
+ * them (0, or -ENOMEM).  A message that is no reply stops it, left in place
+ * for the receive that reaches it to report. */
+static int client_queue_framed(pb_client_t *c)
+{
+    for (;;) {
+        pb_reply_t r;
+        int rc = client_parse(c, &r, true);
+        if (rc <= 0)
+            return rc == -ENOMEM ? rc : 0;
+        rc = queue_push(c, &r);
+        if (rc < 0) {
+            pb_reply_free(&r);
+            return rc;
+        }
+    }
+}
+
 bool pb_client_pending(pb_client_t *c)
 {
-    pb_reply_t r;
-
     if (c == NULL)
         return false;
-    if (c->qlen > 0)
-        return true;
-    if (client_parse(c, &r) != 1)
-        return false;
-    if (queue_push(c, &r) < 0) {
-        pb_reply_free(&r);
-        return false;
-    }
-    return true;
+    if (c->qlen == 0)
+        client_queue_framed(c);
+    return c->qlen > 0;
 }
 
 int pb_client_wait(pb_client_t *c, uint32_t msgid, pb_reply_t *out)
@@ -548,7 +848,11 @@ static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_f
         if (pfd.revents & POLLNVAL)
             return -EBADF;
         if (pfd.revents & POLLIN) {
+            /* Framed as they come, so that the buffers stay sized per
+             * message. */
             int rc = client_fill(c);
+            if (rc == 1)
+                rc = client_queue_framed(c);
             if (rc == -ENOMEM)
                 return rc;
             if (rc < 0 && rc != -EAGAIN)

@@ -123,9 +123,21 @@ PB_CLIENT_API int pb_client_send_raw(pb_client_t *c, const void *buf, size_t len
 
 /* One reply.  Filled by pb_client_recv()/pb_client_call(), freed by
  * pb_reply_free().  `up` owns every byte that error, result and anything
- * reached from them point to (str and bin payloads included), and the
- * strings pb_reply_code()/pb_reply_message() return.  The struct may be
- * moved by assignment: the pointers stay valid, but free it only once. */
+ * reached from them point to (str and bin payloads included, so the data
+ * of a tensor pb_obj_tensor() reads from it), and the strings
+ * pb_reply_code()/pb_reply_message() return.  The struct may be moved by
+ * assignment: the pointers stay valid, but free it only once.
+ *
+ * Reply memory: payloads lie in the client's receive buffers, which are
+ * reference counted.  A reply holds its buffer until pb_reply_free(), and
+ * its bytes stay as they were however many replies are received after it,
+ * and after pb_client_close() (a reply may be freed on any thread).  A
+ * reply of 1 MiB or more is received into a buffer of its own; the client
+ * keeps up to two such buffers (512 MiB together) and receives a later big
+ * reply into one only once every reply pointing into it has been freed, so
+ * a loop that frees each big reply before the next call reuses memory that
+ * is already mapped, while a reply kept across calls is simply not reused.
+ * pb_client_close() frees the kept buffers that no reply holds. */
 typedef struct pb_reply {
     uint32_t msgid;
     const msgpack_object *error;  /* NULL when the call succeeded */
