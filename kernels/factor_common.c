@@ -169,7 +169,7 @@ int pb__fz_rev_finish(const pb_tapedata_t *t, int rc, void *dA, double gauge, co
             }
         }
     }
-    free(dA);
+    pb_mem_free(dA);
     if (rc == PB_ENOMEM)
         return pb_err_set(err, PB_ENOMEM, NULL, "out of memory in the reverse of %s", t->op->name);
     return rc;

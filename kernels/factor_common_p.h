@@ -5,7 +5,7 @@
 
 /* Zeroed work arrays of n elements (never 0 bytes, so never NULL for a
  * zero-size matrix), with the tail slack LAPACK's over-reads need
- * (tensor.h); freed with free(). */
+ * (mem.h); freed with pb_mem_free(). */
 T *FZ(zalloc)(size_t n);
 RT *FZ(ralloc)(size_t n);
 /* c = alpha·op(a)·op(b) + beta·c, op 'N', 'T' or 'C'. */

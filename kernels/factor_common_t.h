@@ -168,7 +168,7 @@ static int FN(input)(const pb_call_t *c, pb_tapedata_t *tape, T **A, fz_opts_t *
     bool finite;
     double amax = FN(amax)(a, (size_t)m * n, &finite);
     if (!finite) {
-        free(a);
+        pb_mem_free(a);
         return pb_err_set(err, PB_ENUMERICAL, "inputs.A", "A has NaN or Inf entries: %s refuses them", c->op->name);
     }
     pb__fz_resolve(c->op, c->opt, amax, DT, k, op);
@@ -222,7 +222,7 @@ int FZ(forward)(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err, FZ(factor_fn) 
     if (rc)
         return rc;
     rc = factor(c, A, &op, o, sv, err);
-    free(A);
+    pb_mem_free(A);
     return pb__fz_finish(c, tape, o, sv, rc, err);
 }
 
@@ -249,7 +249,7 @@ int FZ(fd_opts)(const pb_call_t *c, fz_opts_t *op)
     bool finite;
     FZ(load)(&c->in[0], A, m, n);
     double amax = FN(amax)(A, (size_t)m * n, &finite);
-    free(A);
+    pb_mem_free(A);
     pb__fz_resolve(c->op, c->opt, amax, DT, k, op);
     return 0;
 }
@@ -281,8 +281,8 @@ void FZ(onto_span)(const T *Q, int m, int p, T *dX, int j0, int c)
         FZ(gemm)('N', 'N', m, c - j0, p, one, Q, m, Y, p, zero, Z, m);
         memcpy(dX + (size_t)j0 * m, Z, (size_t)m * (size_t)(c - j0) * sizeof(T));
     }
-    free(Y);
-    free(Z);
+    pb_mem_free(Y);
+    pb_mem_free(Z);
 }
 
 void FZ(store_back)(pb_tensor_t *t, const T *src, int m, int n)

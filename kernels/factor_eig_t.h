@@ -20,9 +20,9 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
     RT *wr = FZ(ralloc)((size_t)m), *wi = FZ(ralloc)((size_t)m);
     T *VR = FZ(zalloc)((size_t)m * m);
     if (wr == NULL || wi == NULL || VR == NULL) {
-        free(wr);
-        free(wi);
-        free(VR);
+        pb_mem_free(wr);
+        pb_mem_free(wi);
+        pb_mem_free(VR);
         return PB_ENOMEM;
     }
     info = LAPACK(geev)(LAPACK_COL_MAJOR, 'N', 'V', m, A, LD(m), wr, wi, NULL, 1, VR, LD(m));
@@ -42,9 +42,9 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
                 for (int i = 0; i < m; i++)
                     E(V, m, i, j) = E(VR, m, i, j);
         }
-    free(wr);
-    free(wi);
-    free(VR);
+    pb_mem_free(wr);
+    pb_mem_free(wi);
+    pb_mem_free(VR);
     if (info)
         return FZ(lapack_fail)("geev", info, err);
 #endif
@@ -56,12 +56,12 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
  * imaginary part (exact ties keep geev's order), phases fixed. */
 static int FN(eig_finish)(T *D, T *V, int m)
 {
-    int *idx = malloc(sizeof(int) * (size_t)(m ? m : 1));
+    int *idx = pb_mem_alloc(sizeof(int) * (size_t)(m ? m : 1));
     T *D2 = FZ(zalloc)((size_t)m), *V2 = FZ(zalloc)((size_t)m * m);
     if (idx == NULL || D2 == NULL || V2 == NULL) {
-        free(idx);
-        free(D2);
-        free(V2);
+        pb_mem_free(idx);
+        pb_mem_free(D2);
+        pb_mem_free(V2);
         return PB_ENOMEM;
     }
     for (int i = 0; i < m; i++)
@@ -87,9 +87,9 @@ static int FN(eig_finish)(T *D, T *V, int m)
     memcpy(D, D2, (size_t)m * sizeof(T));
     memcpy(V, V2, (size_t)m * m * sizeof(T));
     FZ(fix_phases)(V, m, m, NULL);
-    free(idx);
-    free(D2);
-    free(V2);
+    pb_mem_free(idx);
+    pb_mem_free(D2);
+    pb_mem_free(V2);
     return 0;
 }
 
@@ -104,7 +104,7 @@ static int FN(eig_pullback)(const T *D, const T *V, int m, const T *dD, const T 
 {
     size_t mm = (size_t)m * m;
     T *X = FZ(zalloc)(mm), *K = FZ(zalloc)(mm), *LU = FZ(zalloc)(mm);
-    lapack_int *piv = malloc(sizeof(lapack_int) * (size_t)(m ? m : 1));
+    lapack_int *piv = pb_mem_alloc(sizeof(lapack_int) * (size_t)(m ? m : 1));
     int rc = PB_ENOMEM;
     double g = 0;
     const T one = 1, zero = 0;
@@ -150,10 +150,10 @@ static int FN(eig_pullback)(const T *D, const T *V, int m, const T *dD, const T 
     FZ(gemm)('N', 'C', m, m, m, one, K, m, V, m, one, dA, m);
     rc = 0;
 out:
-    free(X);
-    free(K);
-    free(LU);
-    free(piv);
+    pb_mem_free(X);
+    pb_mem_free(K);
+    pb_mem_free(LU);
+    pb_mem_free(piv);
     *gauge = g;
     return rc;
 }
@@ -201,9 +201,9 @@ static int FN(eig_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const fz
             dA[i] = (T)creal(dAc[i]); /* a real A: the real part */
 #endif
     }
-    free(d0);
-    free(d1);
-    free(dAc);
+    pb_mem_free(d0);
+    pb_mem_free(d1);
+    pb_mem_free(dAc);
     return rc;
 }
 
@@ -231,7 +231,7 @@ static int FN(eig_fd)(const pb_call_t *c, pb_tensor_t *cot)
         FZC(store_back)(&cot[1], dV, m, m);
         rc = 0;
     }
-    free(V);
-    free(dV);
+    pb_mem_free(V);
+    pb_mem_free(dV);
     return rc;
 }

@@ -48,8 +48,8 @@ static int FN(eigh_pullback)(const RT *D, const T *V, int m, const RT *dD, const
 {
     T *K = FZ(zalloc)((size_t)m * m), *Y = FZ(zalloc)((size_t)m * m);
     if (K == NULL || Y == NULL) {
-        free(K);
-        free(Y);
+        pb_mem_free(K);
+        pb_mem_free(Y);
         return PB_ENOMEM;
     }
     const T one = 1, zero = 0;
@@ -72,8 +72,8 @@ static int FN(eigh_pullback)(const RT *D, const T *V, int m, const RT *dD, const
             E(K, m, i, i) += dD[i];
     FZ(gemm)('N', 'N', m, m, m, one, V, m, K, m, zero, Y, m);
     FZ(gemm)('N', 'C', m, m, m, one, Y, m, V, m, one, dA, m);
-    free(K);
-    free(Y);
+    pb_mem_free(K);
+    pb_mem_free(Y);
     *gauge = g;
     return 0;
 }
@@ -86,7 +86,7 @@ static int FN(eigh_keep)(const RT *D, int m, const fz_opts_t *o, int *idx)
     for (int i = 0; i < m; i++)
         big = fmax(big, fabs((double)D[i]));
     double thr = fmax(o->atol, o->rtol * big);
-    char *keep = calloc((size_t)(m ? m : 1), 1);
+    char *keep = pb_mem_calloc((size_t)(m ? m : 1), 1);
     if (keep == NULL)
         return -1;
     for (long long c = 0; c < o->maxrank; c++) { /* pick the next largest |λ| (first on a tie) */
@@ -102,7 +102,7 @@ static int FN(eigh_keep)(const RT *D, int m, const fz_opts_t *o, int *idx)
     for (int i = 0; i < m; i++)
         if (keep[i])
             idx[r++] = i;
-    free(keep);
+    pb_mem_free(keep);
     return r;
 }
 
@@ -113,7 +113,7 @@ static int FN(eigh_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor
 {
     const int m = (int)c->in[0].shape[0];
     const fz_variant_t var = (fz_variant_t)c->op->variant;
-    int *sel = malloc(sizeof(int) * (size_t)(m + 1));
+    int *sel = pb_mem_alloc(sizeof(int) * (size_t)(m + 1));
     RT *D = FZ(newvec_r)(&sv[0], m);
     T *V = FZ(newmat)(&sv[1], m, m);
     int rc = PB_ENOMEM;
@@ -132,7 +132,7 @@ static int FN(eigh_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor
         else
             pb_tensor_clear(&sv[0]); /* V·diag(ΔD)·Vᴴ needs no D */
     }
-    free(sel);
+    pb_mem_free(sel);
     return rc;
 }
 
@@ -145,7 +145,7 @@ static int FN(eigh_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const f
     const int m = (int)t->in_meta[0].shape[0];
     const pb_tensor_t *s0 = &t->saved[0], *s1 = &t->saved[1];
     const RT *D = s0->storage ? pb_tensor_data(s0) : NULL;
-    int *sel = malloc(sizeof(int) * (size_t)(m + 1)), r = m;
+    int *sel = pb_mem_alloc(sizeof(int) * (size_t)(m + 1)), r = m;
     T *c1 = NULL, *dV = NULL;
     RT *r1 = NULL, *dD = NULL;
     int rc = PB_ENOMEM;
@@ -170,11 +170,11 @@ static int FN(eigh_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const f
     }
     rc = FN(eigh_pullback)(D, pb_tensor_data(s1), m, dD, dV, dA, op->deg_atol, gauge);
 out:
-    free(sel);
-    free(c1);
-    free(dV);
-    free(r1);
-    free(dD);
+    pb_mem_free(sel);
+    pb_mem_free(c1);
+    pb_mem_free(dV);
+    pb_mem_free(r1);
+    pb_mem_free(dD);
     return rc;
 }
 
@@ -201,8 +201,8 @@ static int FN(eigh_fd)(const pb_call_t *c, pb_tensor_t *cot)
         FZ(store_back)(&cot[1], D0, m, r);
         rc = 0;
     }
-    free(X0);
-    free(D0);
+    pb_mem_free(X0);
+    pb_mem_free(D0);
     return rc;
 }
 

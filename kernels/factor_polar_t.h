@@ -28,9 +28,9 @@ static int FN(polar_factor)(const T *A, int m, int n, T *W, T *P, T *V, RT *S, p
         }
         FZ(adjoint)(Vh, n, n, V);
     }
-    free(U);
-    free(Vh);
-    free(SV);
+    pb_mem_free(U);
+    pb_mem_free(Vh);
+    pb_mem_free(SV);
     return rc;
 }
 
@@ -90,12 +90,12 @@ static int FN(polar_pullback)(const T *W, int m, int n, const T *V, const RT *S,
     FZ(gemm)('N', 'N', m, n, n, one, W, m, C, n, one, dA, m);
     rc = 0;
 out:
-    free(P);
-    free(M);
-    free(C);
-    free(Z);
-    free(Ph);
-    free(K);
+    pb_mem_free(P);
+    pb_mem_free(M);
+    pb_mem_free(C);
+    pb_mem_free(Z);
+    pb_mem_free(Ph);
+    pb_mem_free(K);
     return rc;
 }
 
@@ -123,7 +123,7 @@ static int FN(polar_fwd)(const pb_call_t *c, T *A, pb_tensor_t *o, pb_tensor_t *
         } else if (rc == 0)
             pb_tensor_ref(&o[0], &sv[0]);
     }
-    free(X);
+    pb_mem_free(X);
     return rc;
 }
 
@@ -151,10 +151,10 @@ static int FN(polar_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const 
     if (right && rc == 0)
         FZ(adjoint)(dAa, mm, nn, dA);
 out:
-    free(c0);
-    free(c1);
-    free(c2);
-    free(dAa);
+    pb_mem_free(c0);
+    pb_mem_free(c1);
+    pb_mem_free(c2);
+    pb_mem_free(dAa);
     return rc;
 }
 

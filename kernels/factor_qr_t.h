@@ -82,7 +82,7 @@ int FZ(qr_factor)(T *A, int m, int n, int nq, T *Q, T *Rm, pb_err_t *err)
     if (tau == NULL)
         return PB_ENOMEM;
     if (k > 0 && (info = LAPACK(geqrf)(LAPACK_COL_MAJOR, m, n, A, LD(m), tau))) {
-        free(tau);
+        pb_mem_free(tau);
         return FZ(lapack_fail)("geqrf", info, err);
     }
     for (int j = 0; j < n; j++)
@@ -91,13 +91,13 @@ int FZ(qr_factor)(T *A, int m, int n, int nq, T *Q, T *Rm, pb_err_t *err)
     if (k > 0) {
         memcpy(Q, A, (size_t)m * (size_t)k * sizeof(T));
         if ((info = ORGQR(LAPACK_COL_MAJOR, m, nq, k, Q, LD(m), tau))) {
-            free(tau);
+            pb_mem_free(tau);
             return FZ(lapack_fail)(CPLX ? "ungqr" : "orgqr", info, err);
         }
     } else
         for (int j = 0; j < nq; j++)
             E(Q, m, j, j) = 1;
-    free(tau);
+    pb_mem_free(tau);
     /* the phases of diag(R) move into Q: R's rows (walked by columns,
      * as they lie) times conj(phase), Q's columns times the phase */
     T *ph = FZ(zalloc)((size_t)k);
@@ -115,7 +115,7 @@ int FZ(qr_factor)(T *A, int m, int n, int nq, T *Q, T *Rm, pb_err_t *err)
     for (int j = 0; j < n; j++)
         for (int i = 0; i < k && i < j; i++)
             E(Rm, nr, i, j) *= CONJ(ph[i]);
-    free(ph);
+    pb_mem_free(ph);
     return 0;
 }
 
@@ -152,9 +152,9 @@ static int FN(qr_pullback)(const T *Q, int m, int nq, const T *Rm, int nr, int n
     size_t xn = (size_t)(p > q2 ? p : q2) * (size_t)q2, wn = (size_t)(p / 2) * (size_t)(p - p / 2);
     T *X = FZ(zalloc)(xn > wn ? xn : wn);
     if (dQt == NULL || M == NULL || X == NULL) {
-        free(dQt);
-        free(M);
-        free(X);
+        pb_mem_free(dQt);
+        pb_mem_free(M);
+        pb_mem_free(X);
         return PB_ENOMEM;
     }
     const T one = 1, zero = 0, mone = -1;
@@ -191,9 +191,9 @@ static int FN(qr_pullback)(const T *Q, int m, int nq, const T *Rm, int nr, int n
     FN(trsm_right)('C', m, p, Rm, nr, dQt, m);
     for (size_t i = 0; i < (size_t)m * (size_t)p; i++)
         dA[i] += dQt[i];
-    free(dQt);
-    free(M);
-    free(X);
+    pb_mem_free(dQt);
+    pb_mem_free(M);
+    pb_mem_free(X);
     *gauge = g;
     return 0;
 }
@@ -208,7 +208,7 @@ static int FN(lq_factor)(T *A, int m, int n, int nl, T *L, T *Q, pb_err_t *err)
     if (tau == NULL)
         return PB_ENOMEM;
     if (k > 0 && (info = LAPACK(gelqf)(LAPACK_COL_MAJOR, m, n, A, LD(m), tau))) {
-        free(tau);
+        pb_mem_free(tau);
         return FZ(lapack_fail)("gelqf", info, err);
     }
     for (int j = 0; j < k; j++)
@@ -219,13 +219,13 @@ static int FN(lq_factor)(T *A, int m, int n, int nl, T *L, T *Q, pb_err_t *err)
             for (int i = 0; i < k; i++)
                 E(Q, nl, i, j) = E(A, m, i, j);
         if ((info = ORGLQ(LAPACK_COL_MAJOR, nl, n, k, Q, LD(nl), tau))) {
-            free(tau);
+            pb_mem_free(tau);
             return FZ(lapack_fail)(CPLX ? "unglq" : "orglq", info, err);
         }
     } else
         for (int i = 0; i < nl; i++)
             E(Q, nl, i, i) = 1;
-    free(tau);
+    pb_mem_free(tau);
     for (int i = 0; i < k; i++) {
         T l = E(L, m, i, i);
         double a = ABS(l);
@@ -259,11 +259,11 @@ static int FN(lq_pullback)(const T *L, int m, int nl, const T *Q, int n, const T
                 for (int i = 0; i < m; i++)
                     E(dA, m, i, j) += CONJ(E(dAa, n, j, i));
     }
-    free(Qa);
-    free(Ra);
-    free(dAa);
-    free(dQa);
-    free(dRa);
+    pb_mem_free(Qa);
+    pb_mem_free(Ra);
+    pb_mem_free(dAa);
+    pb_mem_free(dQa);
+    pb_mem_free(dRa);
     return rc;
 }
 
@@ -275,8 +275,8 @@ static int FN(qr_null)(T *A, int m, int n, T *N, pb_err_t *err)
     int rc = PB_ENOMEM;
     if (Q && Rm && (rc = FZ(qr_factor)(A, m, n, m, Q, Rm, err)) == 0)
         memcpy(N, Q + (size_t)k * m, (size_t)m * (size_t)(m - k) * sizeof(T));
-    free(Q);
-    free(Rm);
+    pb_mem_free(Q);
+    pb_mem_free(Rm);
     return rc;
 }
 
@@ -322,22 +322,22 @@ static int FN(qr_null_pullback)(const T *A, int m, int n, const T *N, const T *d
         if (info == 0)
             info = LAPACK(potrs)(LAPACK_COL_MAJOR, 'U', p, nn, G, LD(p), Zh, LD(p));
         if (info) {
-            free(Zh);
+            pb_mem_free(Zh);
             rc = FZ(lapack_fail)("potrf", info, err);
             goto out;
         }
         FZ(gemm)('C', 'N', nn, n, p, one, Zh, p, Rm, k, zero, X, nn);
-        free(Zh);
+        pb_mem_free(Zh);
     }
     FZ(gemm)('N', 'N', m, n, nn, mone, N, m, X, nn, one, dA, m);
     rc = 0;
 out:
-    free(Ac);
-    free(Q);
-    free(Rm);
-    free(W);
-    free(X);
-    free(G);
+    pb_mem_free(Ac);
+    pb_mem_free(Q);
+    pb_mem_free(Rm);
+    pb_mem_free(W);
+    pb_mem_free(X);
+    pb_mem_free(G);
     return rc;
 }
 
@@ -369,7 +369,7 @@ static int FN(null_factor)(const pb_call_t *c, T *A, pb_tensor_t *o, pb_tensor_t
             pb_tensor_ref(&sv[1], &o[0]);
     }
     pb_tensor_clear(&tmp);
-    free(X);
+    pb_mem_free(X);
     return rc;
 }
 
@@ -417,7 +417,7 @@ static int FN(null_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, T *dA, 
     if (rc || !lq) {
         if (rc == 0)
             rc = FN(qr_null_pullback)(A, m, n, N, c0, dA, rank_atol, gauge, err);
-        free(c0);
+        pb_mem_free(c0);
         return rc;
     }
     Aa = FZ(zalloc)((size_t)m * n);
@@ -433,11 +433,11 @@ static int FN(null_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, T *dA, 
         if (rc == 0)
             FZ(adjoint)(dAa, n, m, dA);
     }
-    free(Aa);
-    free(Na);
-    free(dAa);
-    free(c0);
-    free(c1);
+    pb_mem_free(Aa);
+    pb_mem_free(Na);
+    pb_mem_free(dAa);
+    pb_mem_free(c0);
+    pb_mem_free(c1);
     return rc;
 }
 
@@ -455,8 +455,8 @@ static int FN(qrlq_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const f
         rc = lq ? FN(lq_pullback)(pb_tensor_data(s0), m, mid, pb_tensor_data(s1), n, c0, c1, dA, op->rank_atol, gauge)
                 : FN(qr_pullback)(pb_tensor_data(s0), m, mid, pb_tensor_data(s1), mid, n, c0, c1, dA, op->rank_atol,
                                   gauge);
-    free(c0);
-    free(c1);
+    pb_mem_free(c0);
+    pb_mem_free(c1);
     return rc;
 }
 
@@ -547,14 +547,14 @@ static int FN(qrlq_fd)(const pb_call_t *c, pb_tensor_t *cot, bool lq)
     }
     rc = 0;
 out:
-    free(Q);
-    free(Rm);
-    free(t0);
-    free(t1);
-    free(X0);
-    free(X1);
-    free(D0);
-    free(D1);
+    pb_mem_free(Q);
+    pb_mem_free(Rm);
+    pb_mem_free(t0);
+    pb_mem_free(t1);
+    pb_mem_free(X0);
+    pb_mem_free(X1);
+    pb_mem_free(D0);
+    pb_mem_free(D1);
     return rc;
 }
 
@@ -576,7 +576,7 @@ static int FN(null_fd)(const pb_call_t *c, pb_tensor_t *cot, bool lq)
                 FZ(load)(&cot[0], t, nn, mm);
                 FZ(adjoint)(t, nn, mm, D0);
             }
-            free(t);
+            pb_mem_free(t);
         } else {
             memcpy(X0, N, (size_t)mm * nn * sizeof(T));
             FZ(load)(&cot[0], D0, mm, nn);
@@ -590,15 +590,15 @@ static int FN(null_fd)(const pb_call_t *c, pb_tensor_t *cot, bool lq)
                 FZ(adjoint)(D0, mm, nn, t);
                 FZ(store_back)(&cot[0], t, nn, mm);
             }
-            free(t);
+            pb_mem_free(t);
         } else
             FZ(store_back)(&cot[0], D0, mm, nn);
         rc = 0;
     }
-    free(N);
-    free(X0);
-    free(D0);
-    free(X1);
+    pb_mem_free(N);
+    pb_mem_free(X0);
+    pb_mem_free(D0);
+    pb_mem_free(X1);
     return rc;
 }
 

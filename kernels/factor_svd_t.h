@@ -30,9 +30,9 @@ int FZ(svd_factor)(const T *A, int m, int n, T *U, RT *S, T *Vh, pb_err_t *err)
             rc = 0;
         }
     }
-    free(W);
-    free(ph);
-    free(superb);
+    pb_mem_free(W);
+    pb_mem_free(ph);
+    pb_mem_free(superb);
     return rc;
 }
 
@@ -53,9 +53,9 @@ static int FN(complete)(T *Qf, int m, int k, pb_err_t *err)
             FZ(fix_phases)(Qf + (size_t)k * m, m, m - k, NULL);
         }
     }
-    free(W);
-    free(Q);
-    free(Rm);
+    pb_mem_free(W);
+    pb_mem_free(Q);
+    pb_mem_free(Rm);
     return rc;
 }
 
@@ -157,13 +157,13 @@ static int FN(svd_pullback)(const T *U, int m, int nu, const RT *S, int k, const
     }
     rc = 0;
 out:
-    free(X);
-    free(Y);
-    free(K);
-    free(dUr);
-    free(dVr);
-    free(Z);
-    free(C);
+    pb_mem_free(X);
+    pb_mem_free(Y);
+    pb_mem_free(K);
+    pb_mem_free(dUr);
+    pb_mem_free(dVr);
+    pb_mem_free(Z);
+    pb_mem_free(C);
     *gauge = g;
     return rc;
 }
@@ -201,8 +201,8 @@ static int FN(svd_decompose)(const T *A, int m, int n, bool full, pb_tensor_t *s
                 FZ(adjoint)(Vf, n, n, Vh);
         }
     }
-    free(Vc);
-    free(Vf);
+    pb_mem_free(Vc);
+    pb_mem_free(Vf);
     return rc;
 }
 
@@ -224,7 +224,7 @@ static int FN(svd_values)(const pb_call_t *c, T *A, int m, int n, pb_tensor_t *o
             return PB_ENOMEM;
         FZ(load)(&c->in[0], A, m, n);
         info = LAPACK(gesvd)(LAPACK_COL_MAJOR, 'N', 'N', m, n, A, LD(m), S, NULL, 1, NULL, 1, superb);
-        free(superb);
+        pb_mem_free(superb);
     }
     return info ? FZ(lapack_fail)(info > 0 ? "gesvd" : "gesdd", info, err) : 0;
 }
@@ -238,7 +238,7 @@ static int FN(svd_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor_
         return FN(svd_values)(c, A, m, n, o, err);
     int rc = FN(svd_decompose)(A, m, n, var == FZ_FULL, sv, err);
     if (rc == 0 && var == FZ_TRUNC) {
-        int *sel = malloc(sizeof(int) * (size_t)(k + 1)), r = FN(svd_keep)(pb_tensor_data(&sv[1]), k, op);
+        int *sel = pb_mem_alloc(sizeof(int) * (size_t)(k + 1)), r = FN(svd_keep)(pb_tensor_data(&sv[1]), k, op);
         rc = PB_ENOMEM;
         if (sel) {
             for (int i = 0; i < r; i++)
@@ -247,7 +247,7 @@ static int FN(svd_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor_
                 !pb__fz_take(&o[2], &sv[2], sel, r, true))
                 rc = 0;
         }
-        free(sel);
+        pb_mem_free(sel);
     } else if (rc == 0 && var == FZ_VALS) {
         pb_tensor_ref(&o[0], &sv[1]);
         pb_tensor_clear(&sv[1]); /* its pullback reads U and Vh only */
@@ -262,8 +262,8 @@ static int FN(svd_pad)(int m, int n, int k, int r, T **c0, T **c2, const RT *r1,
 {
     T *pu = *c0 ? FZ(zalloc)((size_t)m * k) : NULL, *pv = *c2 ? FZ(zalloc)((size_t)k * n) : NULL;
     if ((*c0 && !pu) || (*c2 && !pv) || (r1 && (*dS = FZ(ralloc)((size_t)k)) == NULL)) {
-        free(pu);
-        free(pv);
+        pb_mem_free(pu);
+        pb_mem_free(pv);
         return PB_ENOMEM;
     }
     if (pu)
@@ -273,8 +273,8 @@ static int FN(svd_pad)(int m, int n, int k, int r, T **c0, T **c2, const RT *r1,
             E(pv, k, i, j) = E(*c2, r, i, j);
     for (int i = 0; *dS && i < r; i++)
         (*dS)[i] = r1[i];
-    free(*c0);
-    free(*c2);
+    pb_mem_free(*c0);
+    pb_mem_free(*c2);
     *c0 = pu;
     *c2 = pv;
     return 0;
@@ -315,11 +315,11 @@ static int FN(svd_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const fz
     rc = FN(svd_pullback)(pb_tensor_data(s0), m, nu, S, k, pb_tensor_data(s2), nv, n, c0, dS ? dS : r1, c2, dA,
                           op->rank_atol, op->deg_atol, gauge);
 out:
-    free(c0);
-    free(c2);
-    free(r1);
-    free(ones);
-    free(dS);
+    pb_mem_free(c0);
+    pb_mem_free(c2);
+    pb_mem_free(r1);
+    pb_mem_free(ones);
+    pb_mem_free(dS);
     return rc;
 }
 
@@ -356,7 +356,7 @@ static int FN(svd_fd)(const pb_call_t *c, pb_tensor_t *cot)
     int r = FN(svd_rank)(S, rs, op.rank_atol);
     T *X0 = FZ(out_arr)(c, 0), *X1 = FZ(out_arr)(c, 2);
     T *D0 = FZ(zalloc)((size_t)m * cu), *D1 = FZ(zalloc)((size_t)cv * n);
-    double *ph = calloc((size_t)(r ? r : 1), sizeof(double));
+    double *ph = pb_mem_calloc((size_t)(r ? r : 1), sizeof(double));
     if (!(X0 && X1 && D0 && D1 && ph))
         goto out;
     FZ(load)(&cot[0], D0, m, cu);
@@ -385,8 +385,8 @@ static int FN(svd_fd)(const pb_call_t *c, pb_tensor_t *cot)
             FZ(onto_span)(Vt, n, r, dVt, rs, cv);
             FZ(adjoint)(dVt, n, cv, D1);
         }
-        free(Vt);
-        free(dVt);
+        pb_mem_free(Vt);
+        pb_mem_free(dVt);
     }
     if (r < rs) {
         RT *dS = pb_tensor_data(&cot[1]);
@@ -397,10 +397,10 @@ static int FN(svd_fd)(const pb_call_t *c, pb_tensor_t *cot)
     FZ(store_back)(&cot[2], D1, cv, n);
     rc = 0;
 out:
-    free(X0);
-    free(X1);
-    free(D0);
-    free(D1);
-    free(ph);
+    pb_mem_free(X0);
+    pb_mem_free(X1);
+    pb_mem_free(D0);
+    pb_mem_free(D1);
+    pb_mem_free(ph);
     return rc;
 }

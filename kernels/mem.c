@@ -153,8 +153,7 @@ void *pb_mem_calloc(size_t n, size_t size)
 {
     if (size != 0 && n > SIZE_MAX / 2 / size)
         return NULL;
-    size_t bytes = n * size;
-    return calloc(1, bytes + PB_TAIL_SLACK(bytes));
+    return pb_mem_zalloc(n * size);
 }
 
 static void mem_unmap(mem_hdr_t *h)

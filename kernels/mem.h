@@ -51,9 +51,8 @@ void *pb_mem_alloc(size_t size);
 /* The same, the first size bytes zeroed (a freshly mapped block is zero
  * already and is not written). */
 void *pb_mem_zalloc(size_t size);
-/* calloc(n, size) with the slack, freed with free(), not from the cache:
- * the factorizations' work arrays, which LAPACK's own cost dwarfs.  NULL
- * on overflow or out of memory. */
+/* n·size zeroed bytes with the slack (the factorizations' work arrays);
+ * NULL on overflow or out of memory. */
 void *pb_mem_calloc(size_t n, size_t size);
 /* size bytes without the slack: message buffers, which no BLAS reads. */
 void *pb_mem_block(size_t size);

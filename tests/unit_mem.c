@@ -165,7 +165,7 @@ static void small_blocks_and_edges(void **state)
     assert_null(pb_mem_block(SIZE_MAX / 2 + 1));
     char *c = pb_mem_calloc(1000, 8);
     assert_int_equal(c[7999], 0);
-    free(c); /* pb_mem_calloc is calloc's */
+    pb_mem_free(c);
     assert_null(pb_mem_calloc(SIZE_MAX / 4, 8));
     pb_mem_stats_t s1 = stats();
     assert_int_equal(s1.mapped_bytes, s1.cached_bytes); /* nothing left in use */
