@@ -32,10 +32,23 @@ static void on_flush(uv_check_t *h)
     pb_conns_flush(&s->conns);
 }
 
+static void trim_run(pb_job_t *j)
+{
+    (void)j;
+    pb_alloc_trim();
+}
+
+static void trim_done(pb_job_t *j)
+{
+    struct pb_server_trim *t = (struct pb_server_trim *)j;
+    t->running = false;
+    t->s->work_seen = pb_pool_busy_ns(&t->s->rpc.pool); /* the trim's own time is no work */
+}
+
 /* Every second: expired tapes go, and after idle-trim seconds without
- * work for the workers the memory kept for reuse goes back to the system
- * (requests answered on the loop, such as a metrics scrape, use none of
- * it and do not keep it). */
+ * work for the workers the memory kept for reuse goes back to the system,
+ * on a worker (requests answered on the loop, such as a metrics scrape,
+ * use none of it and do not keep it). */
 static void on_sweep(uv_timer_t *t)
 {
     pb_server_t *s = t->data;
@@ -46,9 +59,12 @@ static void on_sweep(uv_timer_t *t)
         s->work_seen = work;
         s->busy_ms = now;
         s->trimmed = false;
-    } else if (!s->trimmed && s->cfg.idle_trim_s > 0 && now - s->busy_ms >= (uint64_t)(s->cfg.idle_trim_s * 1000)) {
-        pb_alloc_trim();
-        s->trimmed = true;
+    } else if (!s->trimmed && !s->trim.running && s->cfg.idle_trim_s > 0 &&
+               now - s->busy_ms >= (uint64_t)(s->cfg.idle_trim_s * 1000)) {
+        s->trimmed = s->trim.running = true;
+        s->trim.s = s;
+        s->trim.job = (pb_job_t){.run = trim_run, .done = trim_done};
+        pb_pool_submit(&s->rpc.pool, (pb_device_t){PB_DEV_CPU, 0}, &s->trim.job);
     }
 }
 
