@@ -107,6 +107,11 @@ static void *mem_large(size_t len)
     return (char *)base + MEM_HEAD;
 }
 
+/* malloc, aligned by hand with the header before the aligned address:
+ * glibc does not hand a freed aligned_alloc or posix_memalign block to a
+ * later request, so every such block would page-fault fresh memory
+ * (measured: ~6 MB of faults per round of a 4 MiB and two 1 MiB tensors,
+ * none with malloc). */
 static void *mem_small(size_t size)
 {
     size_t total = size + PB_ALIGN + sizeof(mem_hdr_t);
