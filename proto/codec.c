@@ -2,11 +2,10 @@
 
 #include <string.h>
 
-const msgpack_object *pb__obj_get(const msgpack_object *map, const char *key)
+const msgpack_object *pb__obj_getn(const msgpack_object *map, const char *key, size_t kl)
 {
     if (map == NULL || map->type != MSGPACK_OBJECT_MAP)
         return NULL;
-    size_t kl = strlen(key);
     for (uint32_t i = 0; i < map->via.map.size; i++) {
         const msgpack_object *k = &map->via.map.ptr[i].key;
         if (k->type == MSGPACK_OBJECT_STR && k->via.str.size == kl && memcmp(k->via.str.ptr, key, kl) == 0)
@@ -15,9 +14,8 @@ const msgpack_object *pb__obj_get(const msgpack_object *map, const char *key)
     return NULL;
 }
 
-bool pb__obj_is_str(const msgpack_object *o, const char *s)
+bool pb__obj_is_strn(const msgpack_object *o, const char *s, size_t l)
 {
-    size_t l = strlen(s);
     return o && o->type == MSGPACK_OBJECT_STR && o->via.str.size == l && memcmp(o->via.str.ptr, s, l) == 0;
 }
 
@@ -240,9 +238,8 @@ void pb_out_free(pb_out_t *o)
     msgpack_sbuffer_destroy(&o->sb);
 }
 
-void pb_out_str(pb_out_t *o, const char *s)
+void pb_out_strn(pb_out_t *o, const char *s, size_t l)
 {
-    size_t l = strlen(s);
     msgpack_pack_str(&o->pk, l);
     msgpack_pack_str_body(&o->pk, s, l);
 }

@@ -14,13 +14,24 @@
 
 #include <msgpack.h>
 #include <stdbool.h>
+#include <string.h>
 
 #include "../kernels/tensor.h"
 #include "errors.h"
 
-/* Map lookup by key; NULL when absent or not a map. */
-const msgpack_object *pb__obj_get(const msgpack_object *map, const char *key);
-bool pb__obj_is_str(const msgpack_object *o, const char *s);
+/* Map lookup by key; NULL when absent or not a map.  Inline over the
+ * length-taking form so that a literal key's strlen is folded away: these
+ * run several times per request, on the loop thread. */
+const msgpack_object *pb__obj_getn(const msgpack_object *map, const char *key, size_t len);
+static inline const msgpack_object *pb__obj_get(const msgpack_object *map, const char *key)
+{
+    return pb__obj_getn(map, key, strlen(key));
+}
+bool pb__obj_is_strn(const msgpack_object *o, const char *s, size_t len);
+static inline bool pb__obj_is_str(const msgpack_object *o, const char *s)
+{
+    return pb__obj_is_strn(o, s, strlen(s));
+}
 /* A uint that fits in uint64 (positive fixint or uint). */
 bool pb__obj_uint(const msgpack_object *o, uint64_t *v);
 /* Handles (tapes, buffers) are integers in [1, PB_HANDLE_MAX], exact in a
@@ -80,7 +91,11 @@ typedef struct pb_out {
 
 void pb_out_init(pb_out_t *o);
 void pb_out_free(pb_out_t *o);
-void pb_out_str(pb_out_t *o, const char *s);
+void pb_out_strn(pb_out_t *o, const char *s, size_t len);
+static inline void pb_out_str(pb_out_t *o, const char *s)
+{
+    pb_out_strn(o, s, strlen(s)); /* folded for a literal */
+}
 /* A bin payload from storage s (referenced when large, copied else). */
 void pb_out_bin(pb_out_t *o, const void *p, size_t len, pb_storage_t *s);
 /* {dtype, shape, order, data} of t in its own order. */
