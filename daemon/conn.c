@@ -23,6 +23,50 @@
  * when it goes. */
 #define TRIM_AFTER(c) ((c)->set->cfg->max_queued_bytes_per_connection / 4)
 
+/* The memory of a closed or evicted connection goes back to the system on
+ * libuv's thread pool, not on the loop: unmapping its buffer costs about
+ * 85 ms a GiB here (a message may be hundreds of MiB) and malloc_trim walks
+ * every arena.  The work request owns the block until it is released. */
+typedef struct release_work {
+    uv_work_t w;
+    void *block; /* a pb_mem block, or NULL */
+    bool trim;   /* glibc's heap too */
+} release_work_t;
+
+static void release_now(void *block, bool trim)
+{
+    pb_mem_release(block);
+    if (trim)
+        pb_alloc_trim_heap();
+}
+
+static void release_run(uv_work_t *w)
+{
+    release_work_t *r = (release_work_t *)w;
+    release_now(r->block, r->trim);
+}
+
+static void release_done(uv_work_t *w, int status)
+{
+    (void)status; /* run even when cancelled: uv_cancel is never called */
+    free(w);
+}
+
+static void release_later(pb_conns_t *s, void *block, bool trim)
+{
+    if (block == NULL && !trim)
+        return;
+    release_work_t *r = s->release_inline ? NULL : malloc(sizeof *r);
+    if (r) {
+        r->block = block;
+        r->trim = trim;
+        if (uv_queue_work(s->loop, &r->w, release_run, release_done) == 0)
+            return;
+        free(r);
+    }
+    release_now(block, trim);
+}
+
 static void on_close(uv_handle_t *h)
 {
     pb_conn_t *c = h->data;
@@ -33,20 +77,22 @@ void pb_conn_unref(pb_conn_t *c)
 {
     if (--c->refs > 0)
         return;
-    bool trim = c->held_max >= TRIM_AFTER(c);
-    pb__conns_leave(c->set, c);
-    pb_buffers_destroy(&c->buffers); /* emptied at close already; this frees the table */
-    pb_mem_release(c->buf); /* back to the system, not kept for reuse */
-    msgpack_sbuffer_destroy(&c->obuf);
-    msgpack_zone_destroy(&c->zone);
-    free(c);
     /* Its replies were freed by now (writes and requests hold references),
      * but glibc keeps freed blocks of its arenas resident: a client that
      * made the daemon hold tens of MiB and left would leave the daemon
-     * that much bigger for good.  (Large blocks went to the cache, which
-     * its cap bounds and idle-trim empties.) */
-    if (trim)
-        pb_alloc_trim_heap();
+     * that much bigger for good, so the heap is trimmed after it.  (Large
+     * blocks went to the cache, which its cap bounds and idle-trim
+     * empties.)  Its read buffer goes back to the system, not to the
+     * cache. */
+    bool trim = c->held_max >= TRIM_AFTER(c);
+    pb_conns_t *s = c->set;
+    void *buf = c->buf;
+    pb__conns_leave(s, c);
+    pb_buffers_destroy(&c->buffers); /* emptied at close already; this frees the table */
+    msgpack_sbuffer_destroy(&c->obuf);
+    msgpack_zone_destroy(&c->zone);
+    free(c);
+    release_later(s, buf, trim);
 }
 
 static void note_held(pb_conn_t *c)
@@ -248,10 +294,7 @@ void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
            (unsigned)c->uid, why);
     /* Its incomplete message goes now, back to the system: that memory is
      * what others wait for. */
-    bool big = c->cap >= TRIM_AFTER(c);
-    pb_mem_release(c->buf);
-    if (big)
-        pb_alloc_trim_heap();
+    release_later(c->set, c->buf, c->cap >= TRIM_AFTER(c));
     c->buf = NULL;
     c->cap = c->len = c->start = 0;
     pb_scan_reset(&c->scan);

@@ -430,6 +430,7 @@ void pb_server_destroy(pb_server_t *s)
     uv_close((uv_handle_t *)&s->status_timer, close_cb_noop);
     uv_close((uv_handle_t *)&s->watchdog_timer, close_cb_noop);
     close_listener(s);
-    uv_run(s->loop, UV_RUN_DEFAULT);
+    uv_run(s->loop, UV_RUN_DEFAULT); /* also the memory releases queued by closed connections */
+    s->conns.release_inline = true;
     pb_rpc_destroy(&s->rpc);
 }
