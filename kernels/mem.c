@@ -246,13 +246,25 @@ static void mem_unmap_all(mem_hdr_t *all)
     }
 }
 
-void pb_mem_set_cap(size_t cap)
+void pb_mem_set_cap_only(size_t cap)
 {
     pthread_mutex_lock(&mem_lock);
     mem_cap = cap;
-    mem_hdr_t *all = mem_cached > cap ? mem_take_all() : NULL;
+    pthread_mutex_unlock(&mem_lock);
+}
+
+void pb_mem_fit_cap(void)
+{
+    pthread_mutex_lock(&mem_lock);
+    mem_hdr_t *all = mem_cached > mem_cap ? mem_take_all() : NULL;
     pthread_mutex_unlock(&mem_lock);
     mem_unmap_all(all);
+}
+
+void pb_mem_set_cap(size_t cap)
+{
+    pb_mem_set_cap_only(cap);
+    pb_mem_fit_cap();
 }
 
 void pb_alloc_trim(void)

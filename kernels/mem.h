@@ -65,10 +65,15 @@ void pb_mem_release(void *p);
 /* Tune glibc (called once at startup, before any thread is made): it
  * keeps blocks up to 1 GiB in its heap instead of mapping each. */
 void pb_alloc_init(void);
-/* The cache's byte cap (PB_MEM_DEFAULT_CAP until set); a lower one takes
- * effect as blocks are freed. */
+/* The cache's byte cap (PB_MEM_DEFAULT_CAP until set).  set_cap applies
+ * it at once: a cache holding more is emptied.  set_cap_only changes it
+ * for the frees to come, and fit_cap later empties a cache holding more
+ * than the cap then (unmapping costs about 85 ms a GiB: the daemon does
+ * that off its loop). */
 #define PB_MEM_DEFAULT_CAP ((size_t)1 << 30)
 void pb_mem_set_cap(size_t cap);
+void pb_mem_set_cap_only(size_t cap);
+void pb_mem_fit_cap(void);
 /* Unmap every cached block and give glibc's free pages back. */
 void pb_alloc_trim(void);
 /* glibc's free pages only (after a connection that held much left). */

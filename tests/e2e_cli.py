@@ -18,6 +18,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -330,6 +331,48 @@ class MemoryCache(DaemonCase):
             time.sleep(0.5)
         self.assertEqual(m["pullbackd_memory_cached_bytes"], 0)
         self.assertEqual(m["pullbackd_memory_large_bytes"], 0)
+
+
+class MemoryCacheReload(DaemonCase):
+    """A lower memory-cache in the config file, on reload (SIGHUP), empties
+    a cache holding more (on libuv's thread pool, not the loop)."""
+    CONF_DIR = tempfile.mkdtemp(prefix="pbmemcap")
+    CONF = os.path.join(CONF_DIR, "pullbackd.conf")
+    DAEMON_ARGS = ["--config", CONF, "--idle-trim", "0"]  # no idle trim: only the reload empties it
+
+    @classmethod
+    def setUpClass(cls):
+        with open(cls.CONF, "w") as f:
+            f.write("memory-cache = 256M\n")
+        super().setUpClass()
+
+    @classmethod
+    def tearDownClass(cls):
+        super().tearDownClass()
+        shutil.rmtree(cls.CONF_DIR, ignore_errors=True)
+
+    def metrics(self):
+        return parse_metrics(ctl("metrics", env={"PULLBACKD_SOCKET": self.path})[1])
+
+    def test_lower_cap_on_reload(self):
+        A = np.random.default_rng(4).standard_normal((1024, 1024))  # 8 MiB each way
+        with pullbackd.Client(self.path) as c:
+            for _ in range(3):
+                np.testing.assert_array_equal(c.forward("tensoradd", {"A": A}, options={"pA": [1, 0]})["C"], A.T)
+            self.assertGreater(self.metrics()["pullbackd_memory_cached_bytes"], 4 << 20)
+            with open(self.CONF, "w") as f:
+                f.write("memory-cache = 4M\n")
+            os.kill(self.proc.pid, signal.SIGHUP)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                m = self.metrics()
+                if m["pullbackd_memory_cached_bytes"] <= 4 << 20:
+                    break
+                time.sleep(0.1)
+            self.assertLessEqual(m["pullbackd_memory_cached_bytes"], 4 << 20)
+            # Still serving, under the new cap.
+            np.testing.assert_array_equal(c.forward("tensoradd", {"A": A}, options={"pA": [1, 0]})["C"], A.T)
+            self.assertLessEqual(self.metrics()["pullbackd_memory_cached_bytes"], 4 << 20)
 
 
 class OpenSocket(DaemonCase):

@@ -119,6 +119,20 @@ static void the_cap_bounds_the_cache(void **state)
     pb_mem_set_cap(1 * MiB);
     assert_int_equal(stats().cached_bytes, 0);
     assert_int_equal(stats().mapped_bytes, 0);
+    /* set_cap_only leaves what is cached until fit_cap (the daemon's
+     * reload runs that off its loop); frees meanwhile obey the new cap. */
+    void *d = pb_mem_block(4 * MiB), *e = pb_mem_block(4 * MiB);
+    pb_mem_set_cap(10 * MiB);
+    pb_mem_free(d);
+    size_t held = stats().cached_bytes;
+    assert_true(held >= 4 * MiB);
+    pb_mem_set_cap_only(1 * MiB);
+    assert_int_equal(stats().cached_bytes, held);
+    pb_mem_free(e); /* past the new cap: unmapped */
+    assert_int_equal(stats().cached_bytes, held);
+    pb_mem_fit_cap();
+    assert_int_equal(stats().cached_bytes, 0);
+    assert_int_equal(stats().mapped_bytes, 0);
     /* Cap 0: nothing is kept. */
     pb_mem_set_cap(0);
     void *c = pb_mem_block(1 * MiB);
