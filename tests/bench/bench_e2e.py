@@ -3,7 +3,8 @@ would do instead, measured in the same run (issue 15's figures).
 
   fused_dense   augmented_forward + reverse (gelu) through the socket with
                 pullbackd's Python client ÷ the same in PyTorch in process
-                (all its threads), f32 and f64, two sizes.
+                (all its threads), f32 and f64, two sizes; after each small
+                size, the floor: two near-empty calls through a worker.
   transpose     a 2048² f64 tensoradd transpose sent inline, round trip ÷
                 a copy of the same 64 MiB in memory (numpy: the 32 MiB out
                 and the 32 MiB back), and ÷ the shared-memory path's round
@@ -74,6 +75,22 @@ def bench_fused_dense(c):
             a, t = best(ours, reps), best(theirs, reps)
             name = f"{np.dtype(dtype).name} ({n_out}, {n_in}, {batch})"
             print(f"{name:32s} {a * 1e3:10.2f} {t * 1e3:10.2f} {a / t:7.2f}")
+            if n_out == 256:
+                small_floor(c, dtype, t)
+
+
+def small_floor(c, dtype, theirs):
+    """What two calls cost here before any arithmetic: a fused_dense of
+    64x64x8 (65k flops: past the loop's inline limit, so handed to a worker
+    and back, like the (256, 256, 32) calls, with about 2 us of math and a
+    16 KiB message).  Measured in the same run: on virtual machines a
+    thread wake-up can take tens of microseconds, and a call has four."""
+    rng = np.random.default_rng(1)
+    W, x, b = (rng.standard_normal(s).astype(dtype) for s in ((64, 64), (64, 8), (64,)))
+    one = best(lambda: c.forward("fused_dense", {"weight": W, "x": x, "bias": b}, options={"act": "gelu"}),
+               50 if QUICK else 300)
+    print(f"{'  floor: two near-empty calls':32s} {2 * one * 1e3:10.2f} {'':10s} {2 * one / theirs:7.2f}"
+          f"  (of PyTorch's time above)")
 
 
 def bench_transpose(c):
