@@ -12,6 +12,7 @@
 
 #include "conn.h"
 #include "log.h"
+#include "offloop.h"
 
 /* Messages at least this large take over the read buffer instead of being
  * copied out of it. */
@@ -22,50 +23,6 @@
  * cost.  A connection that held a quarter of that hands the memory back
  * when it goes. */
 #define TRIM_AFTER(c) ((c)->set->cfg->max_queued_bytes_per_connection / 4)
-
-/* The memory of a closed or evicted connection goes back to the system on
- * libuv's thread pool, not on the loop: unmapping its buffer costs about
- * 85 ms a GiB here (a message may be hundreds of MiB) and malloc_trim walks
- * every arena.  The work request owns the block until it is released. */
-typedef struct release_work {
-    uv_work_t w;
-    void *block; /* a pb_mem block, or NULL */
-    bool trim;   /* glibc's heap too */
-} release_work_t;
-
-static void release_now(void *block, bool trim)
-{
-    pb_mem_release(block);
-    if (trim)
-        pb_alloc_trim_heap();
-}
-
-static void release_run(uv_work_t *w)
-{
-    release_work_t *r = (release_work_t *)w;
-    release_now(r->block, r->trim);
-}
-
-static void release_done(uv_work_t *w, int status)
-{
-    (void)status; /* run even when cancelled: uv_cancel is never called */
-    free(w);
-}
-
-static void release_later(pb_conns_t *s, void *block, bool trim)
-{
-    if (block == NULL && !trim)
-        return;
-    release_work_t *r = s->release_inline ? NULL : malloc(sizeof *r);
-    if (r) {
-        r->block = block;
-        r->trim = trim;
-        if (uv_queue_work(s->loop, &r->w, release_run, release_done) == 0)
-            return;
-        free(r);
-    }
-    release_now(block, trim);
-}
 
 static void on_close(uv_handle_t *h)
 {
@@ -92,7 +49,8 @@ void pb_conn_unref(pb_conn_t *c)
     msgpack_sbuffer_destroy(&c->obuf);
     msgpack_zone_destroy(&c->zone);
     free(c);
-    release_later(s, buf, trim);
+    /* Off the loop: unmapping a big buffer and malloc_trim take long. */
+    pb_offloop_memory(s->loop, s->release_inline, buf, trim ? PB_OFFLOOP_TRIM_HEAP : 0);
 }
 
 static void note_held(pb_conn_t *c)
@@ -294,7 +252,7 @@ void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
            (unsigned)c->uid, why);
     /* Its incomplete message goes now, back to the system: that memory is
      * what others wait for. */
-    release_later(c->set, c->buf, c->cap >= TRIM_AFTER(c));
+    pb_offloop_memory(c->set->loop, c->set->release_inline, c->buf, c->cap >= TRIM_AFTER(c) ? PB_OFFLOOP_TRIM_HEAP : 0);
     c->buf = NULL;
     c->cap = c->len = c->start = 0;
     pb_scan_reset(&c->scan);

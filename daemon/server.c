@@ -11,6 +11,7 @@
 
 #include "../kernels/blas.h"
 #include "log.h"
+#include "offloop.h"
 #include "sd.h"
 
 /* How often STATUS= is refreshed (only sent when its text changed). */
@@ -32,46 +33,17 @@ static void on_flush(uv_check_t *h)
     pb_conns_flush(&s->conns);
 }
 
-static void trim_run(pb_job_t *j)
-{
-    (void)j;
-    pb_alloc_trim();
-}
-
-static void trim_done(pb_job_t *j)
-{
-    struct pb_server_trim *t = (struct pb_server_trim *)j;
-    t->running = false;
-    t->s->work_seen = pb_pool_busy_ns(&t->s->rpc.pool); /* the trim's own time is no work */
-}
-
-/* A lower --memory-cache on reload empties a cache holding more, on
- * libuv's thread pool: unmapping costs about 85 ms a GiB. */
-static void fit_run(uv_work_t *w)
-{
-    (void)w;
-    pb_mem_fit_cap();
-}
-
-static void fit_done(uv_work_t *w, int status)
-{
-    (void)status;
-    free(w);
-}
-
+/* A lower --memory-cache on reload applies to the frees to come at once;
+ * a cache holding more is emptied off the loop. */
 static void set_memory_cap(pb_server_t *s)
 {
     pb_mem_set_cap_only(s->cfg.memory_cache_bytes);
-    uv_work_t *w = malloc(sizeof *w);
-    if (w && uv_queue_work(s->loop, w, fit_run, fit_done) == 0)
-        return;
-    free(w);
-    pb_mem_fit_cap();
+    pb_offloop_memory(s->loop, false, NULL, PB_OFFLOOP_FIT_CAP);
 }
 
 /* Every second: expired tapes go, and after idle-trim seconds without
  * work for the workers the memory kept for reuse goes back to the system,
- * on a worker (requests answered on the loop, such as a metrics scrape,
+ * off the loop (requests answered on the loop, such as a metrics scrape,
  * use none of it and do not keep it). */
 static void on_sweep(uv_timer_t *t)
 {
@@ -83,12 +55,10 @@ static void on_sweep(uv_timer_t *t)
         s->work_seen = work;
         s->busy_ms = now;
         s->trimmed = false;
-    } else if (!s->trimmed && !s->trim.running && s->cfg.idle_trim_s > 0 &&
+    } else if (!s->trimmed && s->cfg.idle_trim_s > 0 &&
                now - s->busy_ms >= (uint64_t)(s->cfg.idle_trim_s * 1000)) {
-        s->trimmed = s->trim.running = true;
-        s->trim.s = s;
-        s->trim.job = (pb_job_t){.run = trim_run, .done = trim_done};
-        pb_pool_submit(&s->rpc.pool, (pb_device_t){PB_DEV_CPU, 0}, &s->trim.job);
+        s->trimmed = true;
+        pb_offloop_memory(s->loop, false, NULL, PB_OFFLOOP_TRIM_ALL);
     }
 }
 

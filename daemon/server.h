@@ -49,11 +49,6 @@ typedef struct pb_server {
     uint64_t work_seen;            /* the workers' busy time at the last sweep */
     uint64_t busy_ms;              /* when work was last seen (loop time) */
     bool trimmed;                  /* the heap was trimmed since then */
-    struct pb_server_trim {
-        pb_job_t job;              /* first: the job is the trim */
-        struct pb_server *s;
-        bool running;              /* on a worker now */
-    } trim;                        /* unmapping a cache of GiBs takes 85 ms a GiB: off the loop */
     uv_timer_t last_read_timer;    /* runs the last reads outside any request */
     uv_timer_t status_timer;       /* STATUS= to systemd, when notifying */
     uv_timer_t watchdog_timer;     /* WATCHDOG=1, when systemd asks for it */
