@@ -34,23 +34,20 @@ void pb_conn_unref(pb_conn_t *c)
 {
     if (--c->refs > 0)
         return;
-    /* Its replies were freed by now (writes and requests hold references),
-     * but glibc keeps freed blocks of its arenas resident: a client that
-     * made the daemon hold tens of MiB and left would leave the daemon
-     * that much bigger for good, so the heap is trimmed after it.  (Large
-     * blocks went to the cache, which its cap bounds and idle-trim
-     * empties.)  Its read buffer goes back to the system, not to the
-     * cache. */
     bool trim = c->held_max >= TRIM_AFTER(c);
-    pb_conns_t *s = c->set;
-    void *buf = c->buf;
-    pb__conns_leave(s, c);
+    pb__conns_leave(c->set, c);
     pb_buffers_destroy(&c->buffers); /* emptied at close already; this frees the table */
+    pb_mem_release(c->buf); /* to the system, not the cache (unmapped off the loop: offloop.h) */
     msgpack_sbuffer_destroy(&c->obuf);
     msgpack_zone_destroy(&c->zone);
     free(c);
-    /* Off the loop: unmapping a big buffer and malloc_trim take long. */
-    pb_offloop_memory(s->loop, s->release_inline, buf, trim ? PB_OFFLOOP_TRIM_HEAP : 0);
+    /* Its replies were freed by now (writes and requests hold references),
+     * but glibc keeps freed blocks of its arenas resident: a client that
+     * made the daemon hold tens of MiB and left would leave the daemon
+     * that much bigger for good.  (Large blocks went to the cache, which
+     * its cap bounds and idle-trim empties.) */
+    if (trim)
+        pb_offloop_memory(PB_OFFLOOP_TRIM_HEAP);
 }
 
 static void note_held(pb_conn_t *c)
@@ -252,7 +249,9 @@ void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
            (unsigned)c->uid, why);
     /* Its incomplete message goes now, back to the system: that memory is
      * what others wait for. */
-    pb_offloop_memory(c->set->loop, c->set->release_inline, c->buf, c->cap >= TRIM_AFTER(c) ? PB_OFFLOOP_TRIM_HEAP : 0);
+    pb_mem_release(c->buf);
+    if (c->cap >= TRIM_AFTER(c))
+        pb_offloop_memory(PB_OFFLOOP_TRIM_HEAP);
     c->buf = NULL;
     c->cap = c->len = c->start = 0;
     pb_scan_reset(&c->scan);

@@ -121,7 +121,6 @@ typedef struct pb_conns {
     size_t nuids, capuids;
     uint64_t next_id;
     bool stopping;                 /* SIGTERM: messages past drain_left are late */
-    bool release_inline;           /* the loop runs no more: memory goes back at once */
 } pb_conns_t;
 
 struct pb_conn {

@@ -1,16 +1,19 @@
 #include "offloop.h"
 
+#include <stdbool.h>
 #include <stdlib.h>
 
 #include "../kernels/mem.h"
 
+static uv_loop_t *offloop; /* between start and stop; loop thread only */
+
 typedef struct offloop_work {
     uv_work_t w;
-    void *block;
+    void *block; /* a deferred pb_mem block, or NULL */
     unsigned what;
 } offloop_work_t;
 
-static void run_now(void *block, unsigned what)
+static void run_here(void *block, unsigned what)
 {
     pb_mem_release(block);
     if (what & PB_OFFLOOP_FIT_CAP)
@@ -24,7 +27,7 @@ static void run_now(void *block, unsigned what)
 static void work_run(uv_work_t *w)
 {
     offloop_work_t *o = (offloop_work_t *)w;
-    run_now(o->block, o->what);
+    run_here(o->block, o->what);
 }
 
 static void work_done(uv_work_t *w, int status)
@@ -33,17 +36,40 @@ static void work_done(uv_work_t *w, int status)
     free(w);
 }
 
-void pb_offloop_memory(uv_loop_t *loop, bool now, void *block, unsigned what)
+/* Queued: true.  Not started, or out of memory: false, nothing done. */
+static bool queue(void *block, unsigned what)
 {
-    if (block == NULL && what == 0)
-        return;
-    offloop_work_t *o = now ? NULL : malloc(sizeof *o);
-    if (o) {
-        o->block = block;
-        o->what = what;
-        if (uv_queue_work(loop, &o->w, work_run, work_done) == 0)
-            return;
-        free(o);
-    }
-    run_now(block, what);
+    offloop_work_t *o = offloop ? malloc(sizeof *o) : NULL;
+    if (o == NULL)
+        return false;
+    o->block = block;
+    o->what = what;
+    if (uv_queue_work(offloop, &o->w, work_run, work_done) == 0)
+        return true;
+    free(o);
+    return false;
+}
+
+static bool defer_unmap(void *block, void *arg)
+{
+    (void)arg;
+    return queue(block, 0);
+}
+
+void pb_offloop_start(uv_loop_t *loop)
+{
+    offloop = loop;
+    pb_mem_defer_unmaps(defer_unmap, NULL);
+}
+
+void pb_offloop_stop(void)
+{
+    pb_mem_defer_unmaps(NULL, NULL);
+    offloop = NULL;
+}
+
+void pb_offloop_memory(unsigned what)
+{
+    if (what && !queue(NULL, what))
+        run_here(NULL, what);
 }

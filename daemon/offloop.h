@@ -1,17 +1,22 @@
 /* Memory work the event loop must not wait for, run on libuv's thread pool
  * (uv_queue_work): unmapping costs about 85 ms a GiB here and malloc_trim
- * walks every arena.  The users: a closed or evicted connection's buffer
- * (conn.c), the idle trim and a reload that lowers --memory-cache
- * (server.c).
+ * walks every arena.
  *
- * Ownership: pb_offloop_memory owns `block` from the call on (a pb_mem
- * block, or NULL) and releases it; its work request is malloc'd here and
- * freed in its after-callback.  Work still queued when the loop stops runs
- * in the server's final uv_run; after that, callers pass now = true. */
+ * Between pb_offloop_start and pb_offloop_stop, a large block that the loop
+ * thread frees or releases past the cache's cap is unmapped on the pool
+ * (kernels/mem.h's pb_mem_defer_unmaps): a closed connection's buffer, a
+ * message or a reply answered on the loop.  The server also sends the idle
+ * trim, a reload's lower cap and the heap trim after a big connection
+ * through pb_offloop_memory.  Outside start..stop everything runs on the
+ * calling thread.
+ *
+ * Ownership: each work request is malloc'd here and freed in its
+ * after-callback; a deferred block is the work's until it is released.
+ * Work still queued when the loop stops runs in the server's final uv_run,
+ * which comes before pb_offloop_stop. */
 #ifndef PB_OFFLOOP_H
 #define PB_OFFLOOP_H
 
-#include <stdbool.h>
 #include <uv.h>
 
 enum {
@@ -20,8 +25,10 @@ enum {
     PB_OFFLOOP_TRIM_ALL = 4,  /* the cache and the heap (pb_alloc_trim) */
 };
 
-/* Release block (pb_mem_release) and do what the flags say, on the pool;
- * at once on this thread when now is true or the work cannot be queued. */
-void pb_offloop_memory(uv_loop_t *loop, bool now, void *block, unsigned what);
+/* From the loop thread, which is the one whose unmaps are deferred. */
+void pb_offloop_start(uv_loop_t *loop);
+void pb_offloop_stop(void);
+/* Do what the flags say on the pool (here when stopped or out of memory). */
+void pb_offloop_memory(unsigned what);
 
 #endif

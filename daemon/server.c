@@ -38,7 +38,7 @@ static void on_flush(uv_check_t *h)
 static void set_memory_cap(pb_server_t *s)
 {
     pb_mem_set_cap_only(s->cfg.memory_cache_bytes);
-    pb_offloop_memory(s->loop, false, NULL, PB_OFFLOOP_FIT_CAP);
+    pb_offloop_memory(PB_OFFLOOP_FIT_CAP);
 }
 
 /* Every second: expired tapes go, and after idle-trim seconds without
@@ -58,7 +58,7 @@ static void on_sweep(uv_timer_t *t)
     } else if (!s->trimmed && s->cfg.idle_trim_s > 0 &&
                now - s->busy_ms >= (uint64_t)(s->cfg.idle_trim_s * 1000)) {
         s->trimmed = true;
-        pb_offloop_memory(s->loop, false, NULL, PB_OFFLOOP_TRIM_ALL);
+        pb_offloop_memory(PB_OFFLOOP_TRIM_ALL);
     }
 }
 
@@ -148,6 +148,7 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     s->default_config = default_config;
     pb_blas_init_threads(1);
     pb_mem_set_cap(s->cfg.memory_cache_bytes);
+    pb_offloop_start(loop);
     pb_conns_init(&s->conns, loop, &s->cfg,
                   (pb_conn_cbs_t){.on_message = on_message, .on_close = on_conn_close, .on_idle = on_idle,
                                   .data = s});
@@ -424,7 +425,7 @@ void pb_server_destroy(pb_server_t *s)
     uv_close((uv_handle_t *)&s->status_timer, close_cb_noop);
     uv_close((uv_handle_t *)&s->watchdog_timer, close_cb_noop);
     close_listener(s);
-    uv_run(s->loop, UV_RUN_DEFAULT); /* also the memory releases queued by closed connections */
-    s->conns.release_inline = true;
+    uv_run(s->loop, UV_RUN_DEFAULT); /* also the memory work queued off the loop */
+    pb_offloop_stop();
     pb_rpc_destroy(&s->rpc);
 }

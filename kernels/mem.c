@@ -171,6 +171,16 @@ static void mem_unmap(mem_hdr_t *h)
     pthread_mutex_unlock(&mem_lock);
 }
 
+/* This thread's hand-off for blocks to unmap (pb_mem_defer_unmaps). */
+static __thread bool (*mem_defer)(void *block, void *arg);
+static __thread void *mem_defer_arg;
+
+void pb_mem_defer_unmaps(bool (*defer)(void *block, void *arg), void *arg)
+{
+    mem_defer = defer;
+    mem_defer_arg = arg;
+}
+
 static void mem_put(void *p, bool keep)
 {
     if (p == NULL)
@@ -197,6 +207,8 @@ static void mem_put(void *p, bool keep)
         }
         pthread_mutex_unlock(&mem_lock);
     }
+    if (mem_defer && mem_defer(p, mem_defer_arg))
+        return; /* another thread will pb_mem_release it */
     mem_unmap(h);
 }
 

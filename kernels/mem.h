@@ -58,6 +58,12 @@ void *pb_mem_calloc(size_t n, size_t size);
 void *pb_mem_block(size_t size);
 /* Back to the cache (large blocks) or to malloc; NULL is ignored. */
 void pb_mem_free(void *p);
+/* On the calling thread from now on, a large block that a free or release
+ * would unmap is handed to defer(block, arg) instead, which returns true
+ * when it has taken the block (another thread then pb_mem_release's it)
+ * and false to have it unmapped here.  NULL: unmap here again.  The
+ * daemon's loop thread sets one: unmapping costs about 85 ms a GiB. */
+void pb_mem_defer_unmaps(bool (*defer)(void *block, void *arg), void *arg);
 /* Back to the system at once, not to the cache: memory that a flood or a
  * closed connection held, which should not stay resident. */
 void pb_mem_release(void *p);

@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -226,6 +227,57 @@ static void threads_share_the_cache(void **state)
     pb_alloc_trim();
 }
 
+/* pb_mem_defer_unmaps: what this thread would unmap goes to the hook. */
+static void *deferred[4];
+static int ndeferred;
+
+static bool take(void *block, void *arg)
+{
+    (void)arg;
+    if (ndeferred == 4)
+        return false; /* refused: unmapped by the freeing thread */
+    deferred[ndeferred++] = block;
+    return true;
+}
+
+static void *release_thread(void *p)
+{
+    pb_mem_release(p);
+    return NULL;
+}
+
+static void unmaps_are_deferred(void **state)
+{
+    (void)state;
+    ndeferred = 0;
+    pb_mem_set_cap(2 * MiB);
+    void *a = pb_mem_block(4 * MiB), *b = pb_mem_block(1 * MiB), *c = pb_mem_block(1 * MiB);
+    size_t mapped = stats().mapped_bytes;
+    pb_mem_defer_unmaps(take, NULL);
+    pb_mem_free(b);           /* under the cap: cached, no hand-off */
+    pb_mem_free(a);           /* past the cap: handed off, still mapped */
+    pb_mem_release(c);        /* a release too */
+    assert_int_equal(ndeferred, 2);
+    assert_ptr_equal(deferred[0], a);
+    assert_ptr_equal(deferred[1], c);
+    assert_int_equal(stats().mapped_bytes, mapped);
+    /* Another thread releases them (no hook there): unmapped. */
+    for (int i = 0; i < ndeferred; i++) {
+        pthread_t t;
+        assert_int_equal(pthread_create(&t, NULL, release_thread, deferred[i]), 0);
+        pthread_join(t, NULL);
+    }
+    assert_true(stats().mapped_bytes < mapped - 4 * MiB);
+    /* A refusing hook: unmapped here. */
+    ndeferred = 4;
+    void *d = pb_mem_block(4 * MiB);
+    size_t before = stats().mapped_bytes;
+    pb_mem_release(d);
+    assert_true(stats().mapped_bytes < before);
+    pb_mem_defer_unmaps(NULL, NULL);
+    pb_mem_set_cap(PB_MEM_DEFAULT_CAP);
+}
+
 int main(void)
 {
     pb_alloc_init();
@@ -237,6 +289,7 @@ int main(void)
         cmocka_unit_test_setup(trim_and_release_unmap, setup),
         cmocka_unit_test_setup(small_blocks_and_edges, setup),
         cmocka_unit_test_setup(threads_share_the_cache, setup),
+        cmocka_unit_test_setup(unmaps_are_deferred, setup),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
