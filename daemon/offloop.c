@@ -68,6 +68,14 @@ void pb_offloop_stop(void)
     offloop = NULL;
 }
 
+void pb_offloop_release_here(void *block)
+{
+    pb_mem_defer_unmaps(NULL, NULL);
+    pb_mem_release(block);
+    if (offloop)
+        pb_mem_defer_unmaps(defer_unmap, NULL);
+}
+
 void pb_offloop_memory(unsigned what)
 {
     if (what && !queue(NULL, what))

@@ -28,6 +28,10 @@ enum {
 /* From the loop thread, which is the one whose unmaps are deferred. */
 void pb_offloop_start(uv_loop_t *loop);
 void pb_offloop_stop(void);
+/* pb_mem_release block on this thread, unmapped before this returns: for
+ * memory that the connection budget hands to others at once (a refused
+ * connection's incomplete message), which must be gone before they grow. */
+void pb_offloop_release_here(void *block);
 /* Do what the flags say on the pool (here when stopped or out of memory). */
 void pb_offloop_memory(unsigned what);
 
