@@ -1,16 +1,20 @@
 #include "offloop.h"
 
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
 
 #include "../kernels/mem.h"
 
 static uv_loop_t *offloop; /* between start and stop; loop thread only */
+/* PB_OFFLOOP_* flags asked for and not yet taken by a job: a job is queued
+ * only by the call that finds this 0, so a burst of closes costs one trim. */
+static atomic_uint pending;
+static atomic_ulong njobs; /* queued since the process started */
 
 typedef struct offloop_work {
     uv_work_t w;
-    void *block; /* a deferred pb_mem block, or NULL */
-    unsigned what;
+    void *block; /* a deferred pb_mem block, or NULL: a pending-flags job */
 } offloop_work_t;
 
 static void run_here(void *block, unsigned what)
@@ -27,7 +31,7 @@ static void run_here(void *block, unsigned what)
 static void work_run(uv_work_t *w)
 {
     offloop_work_t *o = (offloop_work_t *)w;
-    run_here(o->block, o->what);
+    run_here(o->block, o->block ? 0 : atomic_exchange(&pending, 0));
 }
 
 static void work_done(uv_work_t *w, int status)
@@ -36,16 +40,22 @@ static void work_done(uv_work_t *w, int status)
     free(w);
 }
 
+static void work_none(uv_work_t *w)
+{
+    (void)w;
+}
+
 /* Queued: true.  Not started, or out of memory: false, nothing done. */
-static bool queue(void *block, unsigned what)
+static bool queue(void *block)
 {
     offloop_work_t *o = offloop ? malloc(sizeof *o) : NULL;
     if (o == NULL)
         return false;
     o->block = block;
-    o->what = what;
-    if (uv_queue_work(offloop, &o->w, work_run, work_done) == 0)
+    if (uv_queue_work(offloop, &o->w, work_run, work_done) == 0) {
+        atomic_fetch_add(&njobs, 1);
         return true;
+    }
     free(o);
     return false;
 }
@@ -53,12 +63,17 @@ static bool queue(void *block, unsigned what)
 static bool defer_unmap(void *block, void *arg)
 {
     (void)arg;
-    return queue(block, 0);
+    return queue(block);
 }
 
 void pb_offloop_start(uv_loop_t *loop)
 {
     offloop = loop;
+    /* libuv starts its pool on the first job and aborts if it cannot
+     * create the threads: better now, at startup, than mid-service. */
+    offloop_work_t *o = malloc(sizeof *o);
+    if (o && uv_queue_work(loop, &o->w, work_none, work_done) != 0)
+        free(o);
     pb_mem_defer_unmaps(defer_unmap, NULL);
 }
 
@@ -78,6 +93,13 @@ void pb_offloop_release_here(void *block)
 
 void pb_offloop_memory(unsigned what)
 {
-    if (what && !queue(NULL, what))
-        run_here(NULL, what);
+    if (what == 0 || atomic_fetch_or(&pending, what) != 0)
+        return; /* a queued job takes these flags with the others */
+    if (!queue(NULL))
+        run_here(NULL, atomic_exchange(&pending, 0));
+}
+
+unsigned long pb_offloop_jobs(void)
+{
+    return atomic_load(&njobs);
 }

@@ -10,6 +10,9 @@
  * through pb_offloop_memory.  Outside start..stop everything runs on the
  * calling thread.
  *
+ * Calls to pb_offloop_memory while a job for them is still queued add
+ * their flags to that job: a burst of closes queues one trim.
+ *
  * Ownership: each work request is malloc'd here and freed in its
  * after-callback; a deferred block is the work's until it is released.
  * Work still queued when the loop stops runs in the server's final uv_run,
@@ -34,5 +37,7 @@ void pb_offloop_stop(void);
 void pb_offloop_release_here(void *block);
 /* Do what the flags say on the pool (here when stopped or out of memory). */
 void pb_offloop_memory(unsigned what);
+/* Jobs queued on the pool since the process started (for tests). */
+unsigned long pb_offloop_jobs(void);
 
 #endif

@@ -207,6 +207,9 @@ static void mem_put(void *p, bool keep)
         }
         pthread_mutex_unlock(&mem_lock);
     }
+    /* Poisoned while it waits: the header stays readable for the release,
+     * and mem_unmap unpoisons the whole mapping. */
+    MEM_POISON(p, h->map_len - MEM_HEAD);
     if (mem_defer && mem_defer(p, mem_defer_arg))
         return; /* another thread will pb_mem_release it */
     mem_unmap(h);
