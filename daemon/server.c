@@ -228,6 +228,9 @@ static void ready(pb_server_t *s)
     pb_log(PB_LOG_NOTICE, "listening on %s%s (%d workers, max message %zu bytes%s%s)", s->cfg.socket_path,
            s->activated ? " (socket from systemd)" : "", s->cfg.workers, s->cfg.max_message_bytes,
            s->cfg.config_file[0] ? ", config " : "", s->cfg.config_file);
+    char blas[256];
+    pb_blas_describe(blas, sizeof blas);
+    pb_log(PB_LOG_INFO, "BLAS: %s", blas);
     if (!pb_sd_notify_enabled())
         return;
     update_status(s);

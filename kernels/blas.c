@@ -1,6 +1,8 @@
 #include "blas.h"
 
 #include <cblas.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include "cmplx.h"
 
 #include "op.h"
@@ -105,4 +107,11 @@ void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta
 void pb_blas_init_threads(int n)
 {
     openblas_set_num_threads(n);
+}
+
+void pb_blas_describe(char *buf, size_t size)
+{
+    const char *forced = getenv("OPENBLAS_CORETYPE");
+    snprintf(buf, size, "%s, kernels for %s%s%s%s", openblas_get_config(), openblas_get_corename(),
+             forced ? " (OPENBLAS_CORETYPE=" : "", forced ? forced : "", forced ? ")" : "");
 }

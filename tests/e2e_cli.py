@@ -468,6 +468,36 @@ class Shutdown(unittest.TestCase):
             shutil.rmtree(d)
 
 
+class StartupLog(unittest.TestCase):
+    def test_blas_line(self):
+        """At info level the daemon says which BLAS kernels do its math, and
+        whether OPENBLAS_CORETYPE chose them (the environment is left as it
+        is: on some processors it is set because older OpenBLAS builds go
+        wrong there)."""
+        d = tempfile.mkdtemp(prefix="pbctl")
+        path = os.path.join(d, "pullbackd.sock")
+        proc = subprocess.Popen([DAEMON, "--socket", path, "--log-level", "info"], stderr=subprocess.PIPE, text=True)
+        try:
+            wait_for_socket(path, proc)
+            self.assertEqual(ctl("--socket", path, "shutdown")[0], 0)
+            err = proc.communicate(timeout=10)[1]
+            self.assertEqual(proc.returncode, 0, err)
+            line = [ln for ln in err.splitlines() if "BLAS: " in ln]
+            self.assertEqual(len(line), 1, err)
+            self.assertIn("OpenBLAS", line[0])
+            self.assertIn("kernels for ", line[0])
+            forced = os.environ.get("OPENBLAS_CORETYPE")
+            if forced:
+                self.assertIn(f"(OPENBLAS_CORETYPE={forced})", line[0])
+            else:
+                self.assertNotIn("OPENBLAS_CORETYPE", line[0])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            shutil.rmtree(d)
+
+
 class FakeDaemon:
     """A socket server that misbehaves in one chosen way per connection:
     'error' answers every request with an `internal` error, 'close' closes
