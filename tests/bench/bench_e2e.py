@@ -4,7 +4,9 @@ would do instead, measured in the same run (issue 15's figures).
   fused_dense   augmented_forward + reverse (gelu) through the socket with
                 pullbackd's Python client ÷ the same in PyTorch in process
                 (all its threads), f32 and f64, two sizes; after each small
-                size, the floor: two near-empty calls through a worker.
+                size, the floor: two near-empty calls through a worker;
+                after each large one, the forward alone inline and with
+                its tensors in shared memory, against PyTorch's forward.
   transpose     a 2048² f64 tensoradd transpose sent inline, round trip ÷
                 a copy of the same 64 MiB in memory (numpy: the 32 MiB out
                 and the 32 MiB back), and ÷ the shared-memory path's round
@@ -77,6 +79,40 @@ def bench_fused_dense(c):
             print(f"{name:32s} {a * 1e3:10.2f} {t * 1e3:10.2f} {a / t:7.2f}")
             if n_out == 256:
                 small_floor(c, dtype, t)
+            else:
+                large_split(c, W, x, b, (tW, tx, tb), t)
+
+
+def large_split(c, W, x, b, tensors, theirs):
+    """Where a large case's time goes, measured in the same run: the
+    forward alone sent inline, the same forward with its inputs and y in a
+    shared buffer (contract section 6: no socket copies), and PyTorch's
+    forward without autograd.  inline - shm is what moving the tensors
+    through the socket costs."""
+    import torch
+    tW, tx, tb = tensors
+    es = W.dtype.itemsize
+    dt = "f32" if es == 4 else "f64"
+    sizes = [W.nbytes, x.nbytes, b.nbytes, W.shape[0] * x.shape[1] * es]
+    offs = [0]
+    for n in sizes:
+        offs.append(offs[-1] + (n + 4095) // 4096 * 4096)
+    reps = 3 if QUICK else 10
+    with c.shared_buffer(offs[-1]) as sb:
+        for o, a in zip(offs, (W, x, b)):
+            sb.put(o, a)
+        ins = {"weight": sb.tensor(offs[0], W.shape, dt), "x": sb.tensor(offs[1], x.shape, dt),
+               "bias": sb.tensor(offs[2], b.shape, dt)}
+        shm = best(lambda: c.forward("fused_dense", ins, options={"act": "gelu"}, into={"y": (sb, offs[3])}), reps)
+    inline = best(lambda: c.forward("fused_dense", {"weight": W, "x": x, "bias": b}, options={"act": "gelu"}), reps)
+
+    def tfwd():
+        with torch.no_grad():
+            torch.nn.functional.gelu(tW @ tx + tb[:, None])
+    tf = best(tfwd, reps)
+    print(f"{'  forward alone: inline, shm':32s} {inline * 1e3:10.2f} {tf * 1e3:10.2f} {inline / tf:7.2f}"
+          f"  shm {shm * 1e3:.2f} ms, {shm / tf:.2f} of PyTorch's; BLAS kernels: "
+          f"{os.environ.get('OPENBLAS_CORETYPE', 'as detected')}")
 
 
 def small_floor(c, dtype, theirs):
