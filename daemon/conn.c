@@ -247,10 +247,11 @@ void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
     pb_err_set(&err, PB_ERESOURCE_EXHAUSTED, NULL, "%s; closing the connection", why);
     pb_log(PB_LOG_NOTICE, "connection %llu (uid %u): resource_exhausted: %s", (unsigned long long)c->id,
            (unsigned)c->uid, why);
-    /* Its incomplete message goes now, back to the system and unmapped
-     * before others are woken: that memory is what they wait for, and
-     * --max-buffered-bytes bounds what is resident (python.flood). */
-    pb_offloop_release_here(c->buf);
+    /* Its incomplete message goes back to the system, unmapped off the
+     * loop; until it is gone its bytes still count against
+     * --max-buffered-bytes (pb_offloop_unmapping), which bounds what is
+     * resident (python.flood), and the others wake when it is. */
+    pb_mem_release(c->buf);
     if (c->cap >= TRIM_AFTER(c))
         pb_offloop_memory(PB_OFFLOOP_TRIM_HEAP);
     c->buf = NULL;

@@ -195,6 +195,10 @@ void pb_conn_unref(pb_conn_t *c);
  * resume reading if it was paused. */
 void pb_conn_request_done(pb_conn_t *c, size_t reserved);
 
+/* Memory came back to the system (offloop.h's unmapping done): starved
+ * connections read again if the caps allow. */
+void pb_conns_memory_back(pb_conns_t *s);
+
 /* The accessors the layers above use instead of the fields. */
 static inline size_t pb_conns_count(const pb_conns_t *s) { return s->count; }
 /* The connections' held bytes (glossary), summed. */

@@ -1,12 +1,15 @@
 /* Buffering across connections (conn.h: held, starved): the bytes all
  * connections hold, and each uid's, against max_buffered_bytes and
  * max_buffered_bytes_per_uid, and each uid's open connections against
- * max_connections_per_uid.  Loop thread only. */
+ * max_connections_per_uid.  Blocks freed on the loop thread but not yet
+ * unmapped by the pool (offloop.h) count against max_buffered_bytes too:
+ * they are still resident.  Loop thread only. */
 #include <stdlib.h>
 
 #include "conn.h"
 #include "grow.h"
 #include "log.h"
+#include "offloop.h"
 
 static pb_uid_use_t *uid_use(pb_conns_t *s, uid_t uid)
 {
@@ -61,7 +64,7 @@ void pb__conns_leave(pb_conns_t *s, pb_conn_t *c)
  * anew if its buffer still may not grow). */
 static void wake(pb_conns_t *s)
 {
-    if (s->nstarved == 0 || s->held >= s->cfg->max_buffered_bytes)
+    if (s->nstarved == 0 || s->held + pb_offloop_unmapping() >= s->cfg->max_buffered_bytes)
         return; /* the usual case, on every answered request: no walk */
     for (pb_conn_t *c = s->head; c; c = c->next)
         if (c->starved)
@@ -92,10 +95,15 @@ void pb__conn_account(pb_conn_t *c)
         wake(s);
 }
 
+void pb_conns_memory_back(pb_conns_t *s)
+{
+    wake(s);
+}
+
 bool pb__conn_may_grow(const pb_conn_t *c, size_t more)
 {
     const pb_conns_t *s = c->set;
-    if (s->held + more > s->cfg->max_buffered_bytes)
+    if (s->held + pb_offloop_unmapping() + more > s->cfg->max_buffered_bytes)
         return false;
     const pb_uid_use_t *u = uid_use((pb_conns_t *)s, c->uid);
     return u == NULL || u->held + more <= s->cfg->max_buffered_bytes_per_uid;
@@ -117,6 +125,10 @@ void pb__conn_starve(pb_conn_t *c)
     for (const pb_conn_t *x = s->head; x; x = x->next)
         if (x->inflight > 0)
             return;
+    /* Nor does memory on its way back to the system: its unmapping wakes
+     * them (pb_conns_memory_back). */
+    if (pb_offloop_unmapping() > 0)
+        return;
     /* Nothing will: the holder of the largest incomplete message goes (of
      * c's uid when it is the uid's cap that binds). */
     pb_uid_use_t *u = uid_use(s, c->uid);

@@ -10,11 +10,15 @@ static uv_loop_t *offloop; /* between start and stop; loop thread only */
 /* PB_OFFLOOP_* flags asked for and not yet taken by a job: a job is queued
  * only by the call that finds this 0, so a burst of closes costs one trim. */
 static atomic_uint pending;
-static atomic_ulong njobs; /* queued since the process started */
+static atomic_ulong njobs;       /* queued since the process started */
+static atomic_size_t unmapping;  /* bytes of deferred blocks not yet unmapped */
+static void (*unmapped_cb)(void *arg); /* loop thread only */
+static void *unmapped_arg;
 
 typedef struct offloop_work {
     uv_work_t w;
-    void *block; /* a deferred pb_mem block, or NULL: a pending-flags job */
+    void *block;  /* a deferred pb_mem block, or NULL: a pending-flags job */
+    size_t bytes; /* the block's mapping, counted in `unmapping` */
 } offloop_work_t;
 
 static void run_here(void *block, unsigned what)
@@ -32,12 +36,17 @@ static void work_run(uv_work_t *w)
 {
     offloop_work_t *o = (offloop_work_t *)w;
     run_here(o->block, o->block ? 0 : atomic_exchange(&pending, 0));
+    atomic_fetch_sub(&unmapping, o->bytes);
 }
 
 static void work_done(uv_work_t *w, int status)
 {
     (void)status; /* never cancelled */
-    free(w);
+    offloop_work_t *o = (offloop_work_t *)w;
+    bool gave_back = o->bytes > 0;
+    free(o);
+    if (gave_back && unmapped_cb)
+        unmapped_cb(unmapped_arg);
 }
 
 static void work_none(uv_work_t *w)
@@ -52,10 +61,13 @@ static bool queue(void *block)
     if (o == NULL)
         return false;
     o->block = block;
+    o->bytes = pb_mem_mapped_size(block);
+    atomic_fetch_add(&unmapping, o->bytes);
     if (uv_queue_work(offloop, &o->w, work_run, work_done) == 0) {
         atomic_fetch_add(&njobs, 1);
         return true;
     }
+    atomic_fetch_sub(&unmapping, o->bytes);
     free(o);
     return false;
 }
@@ -72,8 +84,11 @@ void pb_offloop_start(uv_loop_t *loop)
     /* libuv starts its pool on the first job and aborts if it cannot
      * create the threads: better now, at startup, than mid-service. */
     offloop_work_t *o = malloc(sizeof *o);
-    if (o && uv_queue_work(loop, &o->w, work_none, work_done) != 0)
-        free(o);
+    if (o) {
+        o->bytes = 0;
+        if (uv_queue_work(loop, &o->w, work_none, work_done) != 0)
+            free(o);
+    }
     pb_mem_defer_unmaps(defer_unmap, NULL);
 }
 
@@ -83,12 +98,15 @@ void pb_offloop_stop(void)
     offloop = NULL;
 }
 
-void pb_offloop_release_here(void *block)
+void pb_offloop_on_unmapped(void (*cb)(void *arg), void *arg)
 {
-    pb_mem_defer_unmaps(NULL, NULL);
-    pb_mem_release(block);
-    if (offloop)
-        pb_mem_defer_unmaps(defer_unmap, NULL);
+    unmapped_cb = cb;
+    unmapped_arg = arg;
+}
+
+size_t pb_offloop_unmapping(void)
+{
+    return atomic_load(&unmapping);
 }
 
 void pb_offloop_memory(unsigned what)

@@ -31,10 +31,11 @@ enum {
 /* From the loop thread, which is the one whose unmaps are deferred. */
 void pb_offloop_start(uv_loop_t *loop);
 void pb_offloop_stop(void);
-/* pb_mem_release block on this thread, unmapped before this returns: for
- * memory that the connection budget hands to others at once (a refused
- * connection's incomplete message), which must be gone before they grow. */
-void pb_offloop_release_here(void *block);
+/* Bytes of deferred blocks not yet unmapped: still resident, so the
+ * connection budget counts them against max_buffered_bytes until they are
+ * gone; cb(arg) runs on the loop after each such block is unmapped. */
+size_t pb_offloop_unmapping(void);
+void pb_offloop_on_unmapped(void (*cb)(void *arg), void *arg);
 /* Do what the flags say on the pool (here when stopped or out of memory). */
 void pb_offloop_memory(unsigned what);
 /* Jobs queued on the pool since the process started (for tests). */

@@ -137,6 +137,11 @@ static void on_drain_timeout(uv_timer_t *t)
     pb_server_maybe_finish(s);
 }
 
+static void on_unmapped(void *conns)
+{
+    pb_conns_memory_back(conns);
+}
+
 int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int argc, char **argv,
                    const char *default_config)
 {
@@ -152,6 +157,7 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     pb_conns_init(&s->conns, loop, &s->cfg,
                   (pb_conn_cbs_t){.on_message = on_message, .on_close = on_conn_close, .on_idle = on_idle,
                                   .data = s});
+    pb_offloop_on_unmapped(on_unmapped, &s->conns);
     int rc = pb_rpc_init(&s->rpc, loop, &s->cfg, &s->conns,
                          (pb_rpc_hooks_t){.stop = on_shutdown, .request_done = on_idle, .data = s});
     if (rc)
@@ -429,6 +435,7 @@ void pb_server_destroy(pb_server_t *s)
     uv_close((uv_handle_t *)&s->watchdog_timer, close_cb_noop);
     close_listener(s);
     uv_run(s->loop, UV_RUN_DEFAULT); /* also the memory work queued off the loop */
+    pb_offloop_on_unmapped(NULL, NULL);
     pb_offloop_stop();
     pb_rpc_destroy(&s->rpc);
 }

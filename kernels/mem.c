@@ -215,6 +215,11 @@ static void mem_put(void *p, bool keep)
     mem_unmap(h);
 }
 
+size_t pb_mem_mapped_size(const void *p)
+{
+    return p ? hdr_of((void *)p)->map_len : 0;
+}
+
 void pb_mem_free(void *p)
 {
     mem_put(p, true);

@@ -67,6 +67,9 @@ void pb_mem_defer_unmaps(bool (*defer)(void *block, void *arg), void *arg);
 /* Back to the system at once, not to the cache: memory that a flood or a
  * closed connection held, which should not stay resident. */
 void pb_mem_release(void *p);
+/* The bytes a large block maps (0 for a small one): what its unmapping
+ * gives back.  Readable while the block waits to be released. */
+size_t pb_mem_mapped_size(const void *p);
 
 /* Tune glibc (called once at startup, before any thread is made): it
  * keeps blocks up to 1 GiB in its heap instead of mapping each. */

@@ -2,8 +2,8 @@
  * Between start and stop, a large block the loop thread releases is still
  * mapped when the release returns and is unmapped by a job on libuv's
  * pool; trims asked for while one is queued share its
- * job; pb_offloop_release_here unmaps at once; after stop everything runs
- * on the calling thread. */
+ * job; a deferred block counts as unmapping until it is gone, then the
+ * loop hears of it; after stop everything runs on the calling thread. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -139,22 +139,37 @@ static void fit_cap_runs_on_the_pool(void **state)
     assert_int_equal(mapped(), before);
 }
 
-static void release_here_is_at_once(void **state)
+static int unmapped_calls;
+static void count_unmapped(void *arg)
+{
+    *(int *)arg += 1;
+}
+
+/* A deferred block's bytes count as unmapping until the pool has unmapped
+ * it; then the hook runs on the loop, once per block; trims do not call it. */
+static void unmapping_is_counted(void **state)
 {
     (void)state;
+    unmapped_calls = 0;
+    pb_offloop_on_unmapped(count_unmapped, &unmapped_calls);
     size_t before = mapped();
-    unsigned long jobs = pb_offloop_jobs();
-    void *p = pb_mem_alloc(32 * MiB);
-    pb_offloop_release_here(p);
-    assert_int_equal(mapped(), before);
-    assert_int_equal(pb_offloop_jobs(), jobs);
-    /* and later releases are deferred again */
-    p = pb_mem_alloc(32 * MiB);
+    assert_int_equal(pb_offloop_unmapping(), 0);
+    void *p = pb_mem_alloc(32 * MiB), *q = pb_mem_alloc(4 * MiB);
+    size_t plen = pb_mem_mapped_size(p), qlen = pb_mem_mapped_size(q);
+    assert_true(plen >= 32 * MiB && qlen >= 4 * MiB);
+    assert_int_equal(pb_mem_mapped_size(NULL), 0);
     pb_mem_release(p);
-    assert_int_equal(pb_offloop_jobs(), jobs + 1);
+    assert_int_equal(pb_offloop_unmapping(), plen);
+    pb_mem_free(q); /* past the cap (0) */
+    assert_int_equal(pb_offloop_unmapping(), plen + qlen);
+    pb_offloop_memory(PB_OFFLOOP_TRIM_HEAP);
+    assert_int_equal(unmapped_calls, 0);
     run_pool();
     hold_pool();
+    assert_int_equal(pb_offloop_unmapping(), 0);
     assert_int_equal(mapped(), before);
+    assert_int_equal(unmapped_calls, 2);
+    pb_offloop_on_unmapped(NULL, NULL);
 }
 
 static void stopped_runs_here(void **state)
@@ -184,7 +199,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(unmaps_leave_the_loop, setup, teardown),
         cmocka_unit_test_setup_teardown(trims_share_a_job, setup, teardown),
         cmocka_unit_test_setup_teardown(fit_cap_runs_on_the_pool, setup, teardown),
-        cmocka_unit_test_setup_teardown(release_here_is_at_once, setup, teardown),
+        cmocka_unit_test_setup_teardown(unmapping_is_counted, setup, teardown),
         cmocka_unit_test_setup_teardown(stopped_runs_here, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
