@@ -11,7 +11,7 @@ static uv_loop_t *offloop; /* between start and stop; loop thread only */
  * only by the call that finds this 0, so a burst of closes costs one trim. */
 static atomic_uint pending;
 static atomic_ulong njobs;       /* queued since the process started */
-static atomic_size_t unmapping;  /* bytes of deferred blocks not yet unmapped */
+static atomic_size_t unmapping;  /* bytes of deferred blocks whose job has not completed */
 static void (*unmapped_cb)(void *arg); /* loop thread only */
 static void *unmapped_arg;
 
@@ -36,7 +36,6 @@ static void work_run(uv_work_t *w)
 {
     offloop_work_t *o = (offloop_work_t *)w;
     run_here(o->block, o->block ? 0 : atomic_exchange(&pending, 0));
-    atomic_fetch_sub(&unmapping, o->bytes);
 }
 
 static void work_done(uv_work_t *w, int status)
@@ -44,6 +43,10 @@ static void work_done(uv_work_t *w, int status)
     (void)status; /* never cancelled */
     offloop_work_t *o = (offloop_work_t *)w;
     bool gave_back = o->bytes > 0;
+    /* Counted down here, on the loop, not when the pool unmapped it: so
+     * the loop never sees the count drop without the callback to follow
+     * (the budget waits for the callback when the count is non-zero). */
+    atomic_fetch_sub(&unmapping, o->bytes);
     free(o);
     if (gave_back && unmapped_cb)
         unmapped_cb(unmapped_arg);

@@ -31,7 +31,8 @@ enum {
 /* From the loop thread, which is the one whose unmaps are deferred. */
 void pb_offloop_start(uv_loop_t *loop);
 void pb_offloop_stop(void);
-/* Bytes of deferred blocks not yet unmapped: still resident, so the
+/* Bytes of deferred blocks whose job has not completed on the loop (the
+ * count drops just before cb runs): still resident, so the
  * connection budget counts them against max_buffered_bytes until they are
  * gone; cb(arg) runs on the loop after each such block is unmapped. */
 size_t pb_offloop_unmapping(void);
