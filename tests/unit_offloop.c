@@ -53,6 +53,14 @@ static void run_pool(void)
     assert_int_equal(uv_run(&loop, UV_RUN_DEFAULT), 0);
 }
 
+/* Let what is queued run to its completion callbacks, and hold the pool
+ * again. */
+static void drain_pool(void)
+{
+    run_pool();
+    hold_pool();
+}
+
 static int setup(void **state)
 {
     (void)state;
@@ -90,16 +98,14 @@ static void unmaps_leave_the_loop(void **state)
     /* Handed to the pool: still mapped, one job queued. */
     assert_true(mapped() >= before + 64 * MiB);
     assert_int_equal(pb_offloop_jobs(), jobs + 1);
-    run_pool();
-    hold_pool();
+    drain_pool();
     assert_int_equal(mapped(), before);
     /* pb_mem_free past the cap (0 here) goes the same way. */
     p = pb_mem_alloc(8 * MiB);
     pb_mem_free(p);
     assert_true(mapped() >= before + 8 * MiB);
     assert_int_equal(pb_offloop_jobs(), jobs + 2);
-    run_pool();
-    hold_pool();
+    drain_pool();
     assert_int_equal(mapped(), before);
 }
 
@@ -113,13 +119,11 @@ static void trims_share_a_job(void **state)
     pb_offloop_memory(PB_OFFLOOP_TRIM_ALL);
     pb_offloop_memory(0);
     assert_int_equal(pb_offloop_jobs(), jobs + 1);
-    run_pool();
-    hold_pool();
+    drain_pool();
     /* Taken: the next call queues a job of its own. */
     pb_offloop_memory(PB_OFFLOOP_TRIM_HEAP);
     assert_int_equal(pb_offloop_jobs(), jobs + 2);
-    run_pool();
-    hold_pool();
+    drain_pool();
 }
 
 /* The cap lowered while a block is cached: the job asked for empties it. */
@@ -134,8 +138,7 @@ static void fit_cap_runs_on_the_pool(void **state)
     pb_mem_set_cap_only(0);
     pb_offloop_memory(PB_OFFLOOP_FIT_CAP);
     assert_true(mapped() >= before + 16 * MiB);
-    run_pool();
-    hold_pool();
+    drain_pool();
     assert_int_equal(mapped(), before);
 }
 
@@ -164,8 +167,7 @@ static void unmapping_is_counted(void **state)
     assert_int_equal(pb_offloop_unmapping(), plen + qlen);
     pb_offloop_memory(PB_OFFLOOP_TRIM_HEAP);
     assert_int_equal(unmapped_calls, 0);
-    run_pool();
-    hold_pool();
+    drain_pool();
     assert_int_equal(pb_offloop_unmapping(), 0);
     assert_int_equal(mapped(), before);
     assert_int_equal(unmapped_calls, 2);
