@@ -365,6 +365,7 @@ void pb_conn_request_done(pb_conn_t *c, size_t reserved)
     c->inflight--;
     c->reserved -= reserved;
     pb__conn_account(c);
+    pb__conns_request_done(c->set);
     if (c->paused && !c->closing)
         process(c);
 }
@@ -630,6 +631,7 @@ void pb_conns_flush(pb_conns_t *s)
 void pb_conns_init(pb_conns_t *s, uv_loop_t *loop, const pb_config_t *cfg, pb_conn_cbs_t cb)
 {
     *s = (pb_conns_t){.loop = loop, .cfg = cfg, .cb = cb};
+    pb__conns_budget_init(s);
 }
 
 void pb_conns_stop(pb_conns_t *s)
@@ -673,4 +675,10 @@ void pb_conns_close_all(pb_conns_t *s)
 {
     while (s->head)
         pb_conn_close(s->head);
+}
+
+void pb_conns_destroy(pb_conns_t *s)
+{
+    if (!uv_is_closing((uv_handle_t *)&s->decide))
+        uv_close((uv_handle_t *)&s->decide, NULL);
 }

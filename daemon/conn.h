@@ -116,6 +116,8 @@ typedef struct pb_conns {
     size_t count;
     size_t held;                   /* the connections' held bytes summed */
     size_t nstarved;               /* connections starved now */
+    uv_idle_t decide;              /* started when the starved must decide again
+                                    * (conn_budget.c); closed by pb_conns_destroy */
     pb_uid_use_t *uids;            /* per uid with a connection (malloc, the set's;
                                     * freed when the last connection goes) */
     size_t nuids, capuids;
@@ -182,6 +184,8 @@ bool pb_conns_written(const pb_conns_t *s);
 /* The last read (glossary) on every connection. */
 void pb_conns_last_read(pb_conns_t *s);
 void pb_conns_close_all(pb_conns_t *s);
+/* Close the set's own handle (the loop runs its close callback). */
+void pb_conns_destroy(pb_conns_t *s);
 /* Write the replies batched in this loop iteration. */
 void pb_conns_flush(pb_conns_t *s);
 
@@ -236,6 +240,10 @@ bool pb__conns_admit(pb_conns_t *s, uid_t uid);
 void pb__conns_closed(pb_conns_t *s, pb_conn_t *c);
 /* c is freed: give back its held bytes. */
 void pb__conns_leave(pb_conns_t *s, pb_conn_t *c);
+/* The set's decide handle (pb_conns_init). */
+void pb__conns_budget_init(pb_conns_t *s);
+/* A request ended: connections starved waiting for it decide again. */
+void pb__conns_request_done(pb_conns_t *s);
 /* c is no longer starved (resumed, refused or closing). */
 void pb__conn_unstarve(pb_conn_t *c);
 /* Count c's held bytes again; when they shrank, resume starved ones. */

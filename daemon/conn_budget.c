@@ -60,12 +60,52 @@ void pb__conns_leave(pb_conns_t *s, pb_conn_t *c)
     }
 }
 
-/* Memory came back: the starved connections read again (each starves
- * anew if its buffer still may not grow). */
+static bool under_cap(const pb_conns_t *s)
+{
+    return s->held + pb_offloop_unmapping() < s->cfg->max_buffered_bytes;
+}
+
+/* On the loop's next turn, from the top (a refusal closes a connection,
+ * which account's callers do not expect under them): under the cap the
+ * starved read again; still over it, one of them decides again whether
+ * anything is left to wait for, and else a victim goes. */
+static void on_decide(uv_idle_t *h)
+{
+    pb_conns_t *s = h->data;
+    uv_idle_stop(h);
+    if (s->nstarved == 0)
+        return;
+    bool under = under_cap(s);
+    for (pb_conn_t *c = s->head; c; c = c->next)
+        if (c->starved) {
+            if (!under) {
+                pb__conn_starve(c);
+                return;
+            }
+            pb__conn_resume(c);
+        }
+}
+
+void pb__conns_budget_init(pb_conns_t *s)
+{
+    uv_idle_init(s->loop, &s->decide);
+    s->decide.data = s;
+}
+
+/* Memory came back, or a request the starved were waiting for was
+ * answered.  Under the cap, the starved read again (each starves anew if
+ * its buffer still may not grow).  Still over it (replies nobody reads
+ * can take the total past the cap), they decide again: otherwise the
+ * last request or unmap to end over the cap would leave them waiting for
+ * good. */
 static void wake(pb_conns_t *s)
 {
-    if (s->nstarved == 0 || s->held + pb_offloop_unmapping() >= s->cfg->max_buffered_bytes)
+    if (s->nstarved == 0)
         return; /* the usual case, on every answered request: no walk */
+    if (!under_cap(s)) {
+        uv_idle_start(&s->decide, on_decide);
+        return;
+    }
     for (pb_conn_t *c = s->head; c; c = c->next)
         if (c->starved)
             pb__conn_resume(c);
@@ -96,6 +136,11 @@ void pb__conn_account(pb_conn_t *c)
 }
 
 void pb_conns_memory_back(pb_conns_t *s)
+{
+    wake(s);
+}
+
+void pb__conns_request_done(pb_conns_t *s)
 {
     wake(s);
 }

@@ -434,6 +434,7 @@ void pb_server_destroy(pb_server_t *s)
     uv_close((uv_handle_t *)&s->status_timer, close_cb_noop);
     uv_close((uv_handle_t *)&s->watchdog_timer, close_cb_noop);
     close_listener(s);
+    pb_conns_destroy(&s->conns);
     uv_run(s->loop, UV_RUN_DEFAULT); /* also the memory work queued off the loop */
     pb_offloop_on_unmapped(NULL, NULL);
     pb_offloop_stop();

@@ -154,6 +154,61 @@ class Flood(DaemonCase):
             self.assertEqual(st["connections"], 1)
 
 
+def request(msgid, method, params):
+    return msgpack.packb([0, msgid, method, [params]])
+
+
+def tensor(a):
+    return {"dtype": "f64", "shape": list(a.shape), "order": "C", "data": a.tobytes()}
+
+
+class OverCapByReplies(DaemonCase):
+    """Replies nobody reads can take the held bytes past the cap (they are
+    not refused: their requests were admitted).  A connection starved
+    while a request was in flight must still be decided when that request
+    is answered, though the total is then still over the cap: nothing
+    else will give memory back, so the holder of the largest incomplete
+    message is answered resource_exhausted, not left waiting for good."""
+
+    DAEMON_ARGS = ["--max-buffered-bytes", "48M", "--max-buffered-bytes-per-uid", "48M",
+                   "--max-queued-bytes-per-connection", "128M"]
+
+    def test_decided_when_the_last_request_ends(self):
+        rng = np.random.default_rng(3)
+        # A: a slow, data-light request (a 2048^2 SVD: 32 MiB in, a second
+        # or more here), then seven outer products whose 8 MiB replies it
+        # never reads: 56 MiB of replies, past the 48 MiB cap.
+        a = socket.socket(socket.AF_UNIX)
+        a.connect(self.path)
+        a.sendall(request(1, "forward", {"op": "svd_vals", "inputs": {"A": tensor(rng.standard_normal((2048, 2048)))}}))
+        v = tensor(np.ones(1024))
+        for i in range(7):
+            a.sendall(request(2 + i, "forward", {"op": "tensorcontract", "inputs": {"A": v, "B": v},
+                                                 "options": {"pA": [[0], []], "pB": [[], [0]], "pAB": [0, 1]}}))
+        time.sleep(0.3)  # the outer products are answered; the SVD runs
+        # B's next message cannot have its buffer: B waits for the SVD,
+        # the one request in flight.  When the SVD is answered the total
+        # is still over the cap, and B holds the largest incomplete message.
+        b = socket.socket(socket.AF_UNIX)
+        b.connect(self.path)
+        b.settimeout(2.0)
+        outcome = "sent"
+        try:
+            b.sendall(flood_prefix(16 * MiB) + b"\x00" * MiB)
+        except socket.timeout:
+            outcome = "stalled"
+        except OSError:
+            outcome = "closed"
+        e = read_error(b, timeout=10.0)
+        self.assertIsNotNone(e, f"B was neither refused nor served ({outcome})")
+        self.assertEqual(e[2]["code"], "resource_exhausted")
+        self.assertIn("max_buffered_bytes", e[2]["message"])
+        b.close()
+        a.close()
+        with pullbackd.Client(self.path, timeout=10) as c:
+            self.assertEqual(c.hello()["protocol"], 1)
+
+
 class IdleTrim(DaemonCase):
     """Memory kept for reuse (the large-block cache, kernels/mem.h, and
     glibc's heap) goes back to the system after --idle-trim seconds
