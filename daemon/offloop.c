@@ -13,6 +13,7 @@ static atomic_uint pending;
 static atomic_ulong njobs;       /* queued since the process started */
 static atomic_size_t unmapping;  /* bytes of deferred blocks whose job has not completed */
 static void (*unmapped_cb)(void *arg); /* loop thread only */
+static int uncounted;                  /* loop thread only: pb_offloop_uncounted depth */
 static void *unmapped_arg;
 
 typedef struct offloop_work {
@@ -64,7 +65,7 @@ static bool queue(void *block)
     if (o == NULL)
         return false;
     o->block = block;
-    o->bytes = pb_mem_mapped_size(block);
+    o->bytes = uncounted ? 0 : pb_mem_mapped_size(block);
     atomic_fetch_add(&unmapping, o->bytes);
     if (uv_queue_work(offloop, &o->w, work_run, work_done) == 0) {
         atomic_fetch_add(&njobs, 1);
@@ -105,6 +106,11 @@ void pb_offloop_on_unmapped(void (*cb)(void *arg), void *arg)
 {
     unmapped_cb = cb;
     unmapped_arg = arg;
+}
+
+void pb_offloop_uncounted(bool begin)
+{
+    uncounted += begin ? 1 : -1;
 }
 
 size_t pb_offloop_unmapping(void)

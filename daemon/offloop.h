@@ -20,6 +20,7 @@
 #ifndef PB_OFFLOOP_H
 #define PB_OFFLOOP_H
 
+#include <stdbool.h>
 #include <uv.h>
 
 enum {
@@ -37,6 +38,10 @@ void pb_offloop_stop(void);
  * gone; cb(arg) runs on the loop after each such block is unmapped. */
 size_t pb_offloop_unmapping(void);
 void pb_offloop_on_unmapped(void (*cb)(void *arg), void *arg);
+/* Between pb_offloop_uncounted(true) and (false), on the loop thread
+ * (they nest), deferred blocks are not counted in pb_offloop_unmapping
+ * and do not call cb: a tape's, which the connection budget never held. */
+void pb_offloop_uncounted(bool begin);
 /* Do what the flags say on the pool (here when stopped or out of memory). */
 void pb_offloop_memory(unsigned what);
 /* Jobs queued on the pool since the process started (for tests). */

@@ -1,6 +1,7 @@
 #include "tape.h"
 
 #include "grow.h"
+#include "offloop.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -40,7 +41,11 @@ int pb_tapes_init(pb_tapes_t *t, size_t max_bytes, size_t max_bytes_per_uid)
 
 static void free_tape(pb_tape_t *tape)
 {
+    /* Its blocks were never in the connection budget: unmapped off the
+     * loop (freed on it), they do not hold the buffering cap. */
+    pb_offloop_uncounted(true);
     pb_tapedata_clear(&tape->data);
+    pb_offloop_uncounted(false);
     free(tape);
 }
 
