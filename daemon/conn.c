@@ -363,6 +363,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
 void pb_conn_request_done(pb_conn_t *c, size_t reserved)
 {
     c->inflight--;
+    c->set->inflight--;
     c->reserved -= reserved;
     pb__conn_account(c);
     pb__conns_request_done(c->set);

@@ -116,6 +116,7 @@ typedef struct pb_conns {
     size_t count;
     size_t held;                   /* the connections' held bytes summed */
     size_t nstarved;               /* connections starved now */
+    size_t inflight;               /* requests in flight, closed connections' too */
     uv_idle_t decide;              /* started when the starved must decide again
                                     * (conn_budget.c); closed by pb_conns_destroy */
     pb_uid_use_t *uids;            /* per uid with a connection (malloc, the set's;
@@ -210,7 +211,11 @@ static inline size_t pb_conns_held(const pb_conns_t *s) { return s->held; }
 static inline void pb_conn_ref(pb_conn_t *c) { c->refs++; }
 /* A request of c begins: it counts as in flight until
  * pb_conn_request_done. */
-static inline void pb_conn_request_begin(pb_conn_t *c) { c->inflight++; }
+static inline void pb_conn_request_begin(pb_conn_t *c)
+{
+    c->inflight++;
+    c->set->inflight++;
+}
 /* Count bytes a request holds or will queue against c's cap. */
 void pb_conn_reserve(pb_conn_t *c, size_t bytes);
 static inline bool pb_conn_closing(const pb_conn_t *c) { return c->closing; }

@@ -165,11 +165,10 @@ void pb__conn_starve(pb_conn_t *c)
         s->nstarved++;
     }
     uv_read_stop((uv_stream_t *)&c->pipe);
-    /* A request in flight gives its bytes back when it is answered, and
-     * wakes the starved then. */
-    for (const pb_conn_t *x = s->head; x; x = x->next)
-        if (x->inflight > 0)
-            return;
+    /* A request in flight (a closed connection's too) gives its bytes
+     * back when it is answered, and wakes the starved then. */
+    if (s->inflight > 0)
+        return;
     /* Nor does memory on its way back to the system: its unmapping wakes
      * them (pb_conns_memory_back). */
     if (pb_offloop_unmapping() > 0)

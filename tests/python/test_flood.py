@@ -209,6 +209,25 @@ class OverCapByReplies(DaemonCase):
             self.assertEqual(c.hello()["protocol"], 1)
 
 
+class InFlightOfAClosedConnection(DaemonCase):
+    """A request still running for a connection that has closed gives its
+    bytes back when it ends: a connection starved meanwhile waits for it
+    and is then served, not refused."""
+
+    DAEMON_ARGS = ["--max-buffered-bytes", "48M", "--max-buffered-bytes-per-uid", "48M"]
+
+    def test_waits_for_it(self):
+        rng = np.random.default_rng(4)
+        a = socket.socket(socket.AF_UNIX)
+        a.connect(self.path)
+        a.sendall(request(1, "forward", {"op": "svd_vals", "inputs": {"A": tensor(rng.standard_normal((2048, 2048)))}}))
+        a.close()
+        time.sleep(0.2)  # the SVD (32 MiB in, a second or more) runs
+        B = rng.standard_normal(24 * MiB // 8)
+        with pullbackd.Client(self.path, timeout=30) as c:
+            np.testing.assert_array_equal(c.forward("tensoradd", {"A": B})["C"], B)
+
+
 class IdleTrim(DaemonCase):
     """Memory kept for reuse (the large-block cache, kernels/mem.h, and
     glibc's heap) goes back to the system after --idle-trim seconds
