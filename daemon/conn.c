@@ -331,7 +331,12 @@ static void process(pb_conn_t *c)
         }
     }
     c->processing = false;
+    /* Draining, a message now known to end past what came before the stop
+     * no longer holds the drain (pb_conns_drained): look again. */
+    bool now_late = s->stopping && c->drain_left > 0 && c->scan.need > c->drain_left;
     pb_conn_unref(c);
+    if (now_late)
+        s->cb.on_idle(s->cb.data);
 }
 
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
@@ -647,10 +652,14 @@ void pb_conns_stop(pb_conns_t *s)
     }
 }
 
+/* A message known to be longer than what c sent before the stop (its
+ * header declares a payload past drain_left) can only complete with late
+ * bytes: it will be answered shutting_down, so the drain does not wait
+ * for a client paused in the middle of it. */
 bool pb_conns_drained(const pb_conns_t *s)
 {
     for (const pb_conn_t *c = s->head; c; c = c->next)
-        if (c->drain_left > 0 && !c->closing)
+        if (c->drain_left > 0 && !c->closing && c->scan.need <= c->drain_left)
             return false;
     return true;
 }

@@ -1120,6 +1120,83 @@ static void sigterm_client_not_reading(void **state)
     msgpack_sbuffer_destroy(&sb);
 }
 
+/* SIGTERM while a client is in the middle of a message (it sent the
+ * header of a 1 MiB tensor and 1 KiB of it, then paused): the rest can
+ * only come after the signal, so the message is late whatever happens,
+ * and the drain does not wait for it (the default --drain-timeout is
+ * 30 s).  A request sent whole before the signal on another connection is
+ * still answered normally. */
+static void sigterm_incomplete_message(void **state)
+{
+    (void)state;
+    daemon_t *d = &solo;
+    assert_int_equal(start(d, NULL), 0);
+    enum { N = 1 << 17 };
+    static double v[N];
+    pb_ctensor_t t = {.dtype = "f64", .rank = 1, .shape = {N}, .data = v, .nbytes = sizeof v};
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 0);
+    msgpack_pack_uint32(&pk, 7);
+    pb_pack_str(&pk, "forward");
+    msgpack_pack_array(&pk, 1);
+    msgpack_pack_map(&pk, 2);
+    pb_pack_kv_str(&pk, "op", "tensoradd");
+    pb_pack_str(&pk, "inputs");
+    msgpack_pack_map(&pk, 1);
+    pb_pack_str(&pk, "A");
+    pb_pack_tensor(&pk, &t);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    assert_true(strlen(d->sock) < sizeof a.sun_path);
+    memcpy(a.sun_path, d->sock, strlen(d->sock) + 1);
+    assert_int_equal(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    size_t part = sb.size - sizeof v + 1024;
+    assert_int_equal(send(fd, sb.data, part, MSG_NOSIGNAL), (ssize_t)part);
+
+    pb_client_t *c = conn(d);
+    uint32_t id;
+    msgpack_packer *q = pb_client_begin(c, "forward");
+    msgpack_pack_map(q, 2);
+    pb_pack_kv_str(q, "op", "tensoradd");
+    pb_pack_str(q, "inputs");
+    msgpack_pack_map(q, 1);
+    pb_pack_str(q, "A");
+    pb_ctensor_t small = {.dtype = "f64", .rank = 1, .shape = {4}, .data = v, .nbytes = 4 * sizeof(double)};
+    pb_pack_tensor(q, &small);
+    assert_int_equal(pb_client_send(c, &id), 0);
+    usleep(200000);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    kill(d->pid, SIGTERM);
+    pb_reply_t r;
+    assert_int_equal(pb_client_wait(c, id, &r), 0);
+    assert_null(r.error);
+    pb_reply_free(&r);
+    int status = 0;
+    pid_t got = 0;
+    for (int i = 0; i < 1000 && (got = waitpid(d->pid, &status, WNOHANG)) == 0; i++)
+        usleep(10000);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    double waited = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
+    if (got != d->pid) {
+        kill(d->pid, SIGKILL);
+        waitpid(d->pid, &status, 0);
+        daemon_reaped(d);
+        fail_msg("the daemon was still running 10 s after SIGTERM: it waited for an incomplete message");
+    }
+    daemon_reaped(d);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    print_message("sigterm_incomplete_message: exited %.2f s after SIGTERM\n", waited);
+    assert_true(waited < 5.0);
+    pb_client_close(c);
+    close(fd);
+    msgpack_sbuffer_destroy(&sb);
+}
+
 /* drain: no new forward calls, but reverse and release are still served. */
 static void drain_method(void **state)
 {
@@ -1269,6 +1346,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(sigterm_drain, stop_solo),
         cmocka_unit_test_teardown(sigterm_pipelined, stop_solo),
         cmocka_unit_test_teardown(sigterm_client_not_reading, stop_solo),
+        cmocka_unit_test_teardown(sigterm_incomplete_message, stop_solo),
         cmocka_unit_test_teardown(drain_method, stop_solo),
         cmocka_unit_test(slow_request_isolated),
     };
