@@ -90,9 +90,13 @@ static void *worker_main(void *arg)
         pthread_mutex_lock(&p->lock);
         p->busy--;
         q_push(&p->finished, j);
+        pthread_mutex_unlock(&p->lock);
         /* uv_async_send coalesces, so a burst of completions wakes the
-         * loop once. */
+         * loop once.  Outside the lock: its write to the eventfd is a
+         * syscall (and a hypervisor exit on these VMs) that the loop's
+         * next submit should not wait behind. */
         uv_async_send(&p->async);
+        pthread_mutex_lock(&p->lock);
     }
     pthread_mutex_unlock(&p->lock);
     return NULL;
@@ -168,8 +172,11 @@ void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job)
 {
     pthread_mutex_lock(&p->lock);
     q_push(&p->todo[dev.kind], job);
-    pthread_cond_signal(&p->cond);
     pthread_mutex_unlock(&p->lock);
+    /* After the unlock, so the worker it wakes does not block on the lock
+     * at once; no wake-up is lost, since a worker checks the queue under
+     * the lock before it waits. */
+    pthread_cond_signal(&p->cond);
 }
 
 uint64_t pb_pool_busy_ns(pb_pool_t *p)
