@@ -246,7 +246,7 @@ static int reverse_params(pb_req_t *r, const msgpack_object *params)
         if (o == NULL)
             rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "missing tape (the handle from augmented_forward)");
         else if (!pb__obj_handle(o, &v->handle))
-            rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "tape must be an integer handle");
+            rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "tape must be a uint64 handle (a non-negative integer from augmented_forward)");
     }
     if (rc == 0)
         rc = pb_request_order(params, &v->order, &r->err);
@@ -343,7 +343,7 @@ void pb__m_release(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
     if (rc == 0 && h == NULL)
         rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "missing tape");
     if (rc == 0 && !pb__obj_handle(h, &r->u.rel.handle))
-        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "tape must be an integer handle");
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "tape must be a uint64 handle (a non-negative integer from augmented_forward)");
     if (rc)
         return pb__req_fail(r, rc);
     r->encode = pb__enc_release;

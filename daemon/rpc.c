@@ -200,6 +200,14 @@ void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
         goto out;
     }
     const msgpack_object *m = &root;
+    /* [2, ...] of the wrong length is a bad notification: it has no
+     * msgid to answer, so it is logged and dropped (PROTOCOL.md §5). */
+    if (m->type == MSGPACK_OBJECT_ARRAY && m->via.array.size >= 1 && m->via.array.size != 3 &&
+        m->via.array.ptr[0].type == MSGPACK_OBJECT_POSITIVE_INTEGER && m->via.array.ptr[0].via.u64 == 2) {
+        pb_log(PB_LOG_NOTICE, "connection %llu: bad notification dropped: %u elements, not [2, method, [params]]",
+               (unsigned long long)pb_conn_id(c), (unsigned)m->via.array.size);
+        goto out;
+    }
     if (m->type != MSGPACK_OBJECT_ARRAY || m->via.array.size < 3 ||
         m->via.array.ptr[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER) {
         reply_early(rpc, c, 0, PB_EINVALID_REQUEST, "%s",

@@ -547,6 +547,38 @@ static void errors(void **state)
     pb_reply_free(&r);
     assert_int_equal(pb_client_send_raw(c, two_params, sizeof two_params), 0);
     expect_code(c, 8, "invalid_request");
+
+    /* A bad notification of any length has no msgid to answer: it is
+     * dropped, and the next reply is the next request's. */
+    const unsigned char short_note[] = {0x92, 0x02, 0xa7, 'r', 'e', 'l', 'e', 'a', 's', 'e'}; /* [2, "release"] */
+    const unsigned char long_note[] = {0x94, 0x02, 0xa5, 'h', 'e', 'l', 'l', 'o', 0x91, 0x80, 0x09};
+    const unsigned char bare_note[] = {0x91, 0x02};                                           /* [2] */
+    const unsigned char bad_params_note[] = {0x93, 0x02, 0xa5, 'h', 'e', 'l', 'l', 'o', 0x80};  /* params not [{}] */
+    assert_int_equal(pb_client_send_raw(c, short_note, sizeof short_note), 0);
+    assert_int_equal(pb_client_send_raw(c, long_note, sizeof long_note), 0);
+    assert_int_equal(pb_client_send_raw(c, bare_note, sizeof bare_note), 0);
+    assert_int_equal(pb_client_send_raw(c, bad_params_note, sizeof bad_params_note), 0);
+    pk = pb_client_begin(c, "hello");
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_send(c, &id), 0);
+    assert_int_equal(pb_client_recv_timeout(c, &r, 5000), 0);
+    assert_int_equal(r.msgid, id);
+    assert_null(r.error);
+    pb_reply_free(&r);
+
+    /* A negative handle is not a uint64 handle: invalid_argument, and the
+     * message says what a handle is. */
+    pk = pb_client_begin(c, "release");
+    msgpack_pack_map(pk, 1);
+    msgpack_pack_str_with_body(pk, "tape", 4);
+    msgpack_pack_int64(pk, -5);
+    assert_int_equal(pb_client_send(c, &id), 0);
+    assert_int_equal(pb_client_recv_timeout(c, &r, 5000), 0);
+    assert_int_equal(r.msgid, id);
+    assert_string_equal(pb_reply_code(&r), "invalid_argument");
+    assert_non_null(strstr(pb_reply_message(&r), "uint64"));
+    pb_reply_free(&r);
+
     simple(c, "hello", &r);
     assert_null(r.error);
     pb_reply_free(&r);
