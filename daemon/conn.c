@@ -291,6 +291,7 @@ static void process(pb_conn_t *c)
         return; /* the loop below re-checks blocked() itself */
     c->processing = true;
     c->refs++; /* a reply may close c under us */
+    bool held_drain = s->stopping && c->drain_left > 0;
     while (!c->closing && !c->close_after_flush && c->start < c->len && !blocked(c)) {
         size_t n;
         int rc = pb_scan_feed(&c->scan, (const uint8_t *)c->buf + c->start, c->len - c->start,
@@ -331,11 +332,15 @@ static void process(pb_conn_t *c)
         }
     }
     c->processing = false;
-    /* Draining, a message now known to end past what came before the stop
-     * no longer holds the drain (pb_conns_drained): look again. */
+    /* Draining, look again when this connection stopped holding the drain
+     * (pb_conns_drained): its last message from before the stop was taken
+     * (which may start no request and write nothing: a dropped
+     * notification, an early error sent inline), or a message is now known
+     * to end past what came before the stop. */
     bool now_late = s->stopping && c->drain_left > 0 && c->scan.need > c->drain_left;
+    bool released = held_drain && (c->drain_left == 0 || now_late);
     pb_conn_unref(c);
-    if (now_late)
+    if (released)
         s->cb.on_idle(s->cb.data);
 }
 
