@@ -146,6 +146,7 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
             if (c->cap > c->len)
                 goto room;
             c->want_memory = true;
+            c->want_more = ncap - c->cap;
             b->base = NULL;
             b->len = 0;
             return;
@@ -370,13 +371,18 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
     process(c);
 }
 
+void pb_conn_request_begin(pb_conn_t *c)
+{
+    c->inflight++;
+    pb__conns_request_begin(c->set, c);
+}
+
 void pb_conn_request_done(pb_conn_t *c, size_t reserved)
 {
     c->inflight--;
-    c->set->inflight--;
     c->reserved -= reserved;
     pb__conn_account(c);
-    pb__conns_request_done(c->set);
+    pb__conns_request_done(c->set, c);
     if (c->paused && !c->closing)
         process(c);
 }

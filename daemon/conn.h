@@ -104,6 +104,7 @@ typedef struct pb_uid_use {
     size_t open;    /* connections not closed: against max_connections_per_uid */
     size_t members; /* connections not freed: the entry lives while any is */
     size_t held;
+    size_t inflight; /* its requests in flight, closed connections' too */
 } pb_uid_use_t;
 
 /* The server's connections. */
@@ -141,6 +142,7 @@ struct pb_conn {
     bool last_read;                /* socket shut for reading; refusing the rest */
     bool starved;                  /* reading stopped for the set's buffering cap */
     bool want_memory;              /* alloc_cb was refused growth: starve on ENOBUFS */
+    size_t want_more;              /* the growth it was last refused (which cap binds) */
     size_t held;                   /* held bytes as last counted in the set */
     uint64_t id;
     uid_t uid;
@@ -211,11 +213,7 @@ static inline size_t pb_conns_held(const pb_conns_t *s) { return s->held; }
 static inline void pb_conn_ref(pb_conn_t *c) { c->refs++; }
 /* A request of c begins: it counts as in flight until
  * pb_conn_request_done. */
-static inline void pb_conn_request_begin(pb_conn_t *c)
-{
-    c->inflight++;
-    c->set->inflight++;
-}
+void pb_conn_request_begin(pb_conn_t *c);
 /* Count bytes a request holds or will queue against c's cap. */
 void pb_conn_reserve(pb_conn_t *c, size_t bytes);
 static inline bool pb_conn_closing(const pb_conn_t *c) { return c->closing; }
@@ -248,7 +246,8 @@ void pb__conns_leave(pb_conns_t *s, pb_conn_t *c);
 /* The set's decide handle (pb_conns_init). */
 void pb__conns_budget_init(pb_conns_t *s);
 /* A request ended: connections starved waiting for it decide again. */
-void pb__conns_request_done(pb_conns_t *s);
+void pb__conns_request_begin(pb_conns_t *s, const pb_conn_t *c);
+void pb__conns_request_done(pb_conns_t *s, const pb_conn_t *c);
 /* c is no longer starved (resumed, refused or closing). */
 void pb__conn_unstarve(pb_conn_t *c);
 /* Count c's held bytes again; when they shrank, resume starved ones. */

@@ -140,8 +140,22 @@ void pb_conns_memory_back(pb_conns_t *s)
     wake(s);
 }
 
-void pb__conns_request_done(pb_conns_t *s)
+/* A connection's uid entry lives while the connection does (members), and
+ * a request in flight holds a reference to its connection. */
+void pb__conns_request_begin(pb_conns_t *s, const pb_conn_t *c)
 {
+    s->inflight++;
+    pb_uid_use_t *u = uid_use(s, c->uid);
+    if (u)
+        u->inflight++;
+}
+
+void pb__conns_request_done(pb_conns_t *s, const pb_conn_t *c)
+{
+    s->inflight--;
+    pb_uid_use_t *u = uid_use(s, c->uid);
+    if (u)
+        u->inflight--;
     wake(s);
 }
 
@@ -166,17 +180,21 @@ void pb__conn_starve(pb_conn_t *c)
     }
     uv_read_stop((uv_stream_t *)&c->pipe);
     /* A request in flight (a closed connection's too) gives its bytes
-     * back when it is answered, and wakes the starved then. */
-    if (s->inflight > 0)
+     * back when it is answered, and wakes the starved then: any request
+     * when the total binds, one of c's uid when the uid's cap does
+     * (another uid's request gives none of its bytes back). */
+    pb_uid_use_t *u = uid_use(s, c->uid);
+    bool total_binds = !under_cap(s) || s->held + pb_offloop_unmapping() + c->want_more > cfg->max_buffered_bytes;
+    bool per_uid = u && !total_binds;
+    if (per_uid ? u->inflight > 0 : s->inflight > 0)
         return;
-    /* Nor does memory on its way back to the system: its unmapping wakes
-     * them (pb_conns_memory_back). */
-    if (pb_offloop_unmapping() > 0)
+    /* Nor does memory on its way back to the system when the total binds
+     * (it counts there only): its unmapping wakes them
+     * (pb_conns_memory_back). */
+    if (!per_uid && pb_offloop_unmapping() > 0)
         return;
     /* Nothing will: the holder of the largest incomplete message goes (of
      * c's uid when it is the uid's cap that binds). */
-    pb_uid_use_t *u = uid_use(s, c->uid);
-    bool per_uid = u && s->held < cfg->max_buffered_bytes;
     pb_conn_t *victim = NULL;
     size_t most = 0;
     for (pb_conn_t *x = s->head; x; x = x->next) {

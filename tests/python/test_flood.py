@@ -228,6 +228,67 @@ class InFlightOfAClosedConnection(DaemonCase):
             np.testing.assert_array_equal(c.forward("tensoradd", {"A": B})["C"], B)
 
 
+class PerUidCapNotBehindAnotherUid(DaemonCase):
+    """A connection over its uid's cap (the total far from its own) waits
+    only for its own uid's requests in flight: another uid's long request
+    gives none of its uid's bytes back.  With nothing of its uid in flight
+    the holder of the uid's largest incomplete message is answered at
+    once, not after the other uid's request."""
+
+    DAEMON_ARGS = ["--max-buffered-bytes", "1G", "--max-buffered-bytes-per-uid", "48M", "--socket-mode", "0666"]
+
+    @unittest.skipIf(os.geteuid() != 0, "needs root, to connect as a second uid")
+    def test_not_behind_another_uid(self):
+        os.chmod(self.dir, 0o755)
+        rng = np.random.default_rng(5)
+        a = socket.socket(socket.AF_UNIX)
+        a.connect(self.path)
+        # root: a slow, data-light request (a 2048^2 SVD, a second or more).
+        a.sendall(request(1, "forward", {"op": "svd_vals", "inputs": {"A": tensor(rng.standard_normal((2048, 2048)))}}))
+        time.sleep(0.2)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # uid 65534: one message past its uid's 48 MiB cap
+            code = 1
+            try:
+                os.close(r)
+                os.setgid(65534)
+                os.setuid(65534)
+                b = socket.socket(socket.AF_UNIX)
+                b.connect(self.path)
+                b.settimeout(5.0)
+                try:
+                    b.sendall(flood_prefix(64 * MiB) + b"\x00" * (60 * MiB))
+                except OSError:
+                    pass  # refused (closed) or stalled: the reply says which
+                e = read_error(b, timeout=20.0)
+                t = time.monotonic()
+                os.write(w, msgpack.packb([t, e[2]["code"] if e else None, e[2]["message"] if e else ""]))
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        a.settimeout(60)
+        u = msgpack.Unpacker(raw=False)
+        reply = None
+        while reply is None:
+            data = a.recv(1 << 20)
+            self.assertTrue(data, "the SVD's connection closed")
+            u.feed(data)
+            for msg in u:
+                reply = msg
+        t_svd = time.monotonic()
+        a.close()
+        _, status = os.waitpid(pid, 0)
+        self.assertEqual(status, 0)
+        with os.fdopen(r, "rb") as f:
+            t_err, code, message = msgpack.unpackb(f.read(), raw=False)
+        self.assertIsNone(reply[2], reply[2])
+        self.assertEqual(code, "resource_exhausted", message)
+        self.assertIn("max_buffered_bytes_per_uid", message)
+        self.assertLess(t_err, t_svd, "the refusal waited for another uid's request")
+
+
 class IdleTrim(DaemonCase):
     """Memory kept for reuse (the large-block cache, kernels/mem.h, and
     glibc's heap) goes back to the system after --idle-trim seconds
