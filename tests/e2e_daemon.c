@@ -1158,6 +1158,27 @@ static void sigterm_client_not_reading(void **state)
  * and the drain does not wait for it (the default --drain-timeout is
  * 30 s).  A request sent whole before the signal on another connection is
  * still answered normally. */
+/* Wait up to 10 s for d to exit after a SIGTERM sent at t0: it must exit
+ * 0 (else it is killed and the test fails with why).  Seconds waited. */
+static double wait_clean_exit(daemon_t *d, const struct timespec *t0, const char *why)
+{
+    int status = 0;
+    pid_t got = 0;
+    for (int i = 0; i < 1000 && (got = waitpid(d->pid, &status, WNOHANG)) == 0; i++)
+        usleep(10000);
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    if (got != d->pid) {
+        kill(d->pid, SIGKILL);
+        waitpid(d->pid, &status, 0);
+        daemon_reaped(d);
+        fail_msg("the daemon was still running 10 s after SIGTERM: %s", why);
+    }
+    daemon_reaped(d);
+    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    return (double)(t1.tv_sec - t0->tv_sec) + (double)(t1.tv_nsec - t0->tv_nsec) / 1e9;
+}
+
 static void sigterm_incomplete_message(void **state)
 {
     (void)state;
@@ -1201,27 +1222,14 @@ static void sigterm_incomplete_message(void **state)
     pb_pack_tensor(q, &small);
     assert_int_equal(pb_client_send(c, &id), 0);
     usleep(200000);
-    struct timespec t0, t1;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     kill(d->pid, SIGTERM);
     pb_reply_t r;
     assert_int_equal(pb_client_wait(c, id, &r), 0);
     assert_null(r.error);
     pb_reply_free(&r);
-    int status = 0;
-    pid_t got = 0;
-    for (int i = 0; i < 1000 && (got = waitpid(d->pid, &status, WNOHANG)) == 0; i++)
-        usleep(10000);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    double waited = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
-    if (got != d->pid) {
-        kill(d->pid, SIGKILL);
-        waitpid(d->pid, &status, 0);
-        daemon_reaped(d);
-        fail_msg("the daemon was still running 10 s after SIGTERM: it waited for an incomplete message");
-    }
-    daemon_reaped(d);
-    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    double waited = wait_clean_exit(d, &t0, "it waited for an incomplete message");
     print_message("sigterm_incomplete_message: exited %.2f s after SIGTERM\n", waited);
     assert_true(waited < 5.0);
     pb_client_close(c);
@@ -1274,7 +1282,7 @@ static void sigterm_dropped_notification(void **state)
     kill(d->pid, SIGSTOP);
     usleep(50000);
     assert_int_equal(send(a, big + size - 1, 1, MSG_NOSIGNAL), 1);
-    struct timespec t0, t1;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     kill(d->pid, SIGTERM);
     usleep(50000);
@@ -1282,20 +1290,7 @@ static void sigterm_dropped_notification(void **state)
     usleep(20000);
     const unsigned char note[] = {0x92, 0x02, 0xa7, 'r', 'e', 'l', 'e', 'a', 's', 'e'}; /* [2, "release"] */
     assert_int_equal(send(b, note, sizeof note, MSG_NOSIGNAL), (ssize_t)sizeof note);
-    int status = 0;
-    pid_t got = 0;
-    for (int i = 0; i < 1000 && (got = waitpid(d->pid, &status, WNOHANG)) == 0; i++)
-        usleep(10000);
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    double waited = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) / 1e9;
-    if (got != d->pid) {
-        kill(d->pid, SIGKILL);
-        waitpid(d->pid, &status, 0);
-        daemon_reaped(d);
-        fail_msg("the daemon was still running 10 s after SIGTERM: a dropped notification held the drain");
-    }
-    daemon_reaped(d);
-    assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    double waited = wait_clean_exit(d, &t0, "a dropped notification held the drain");
     print_message("sigterm_dropped_notification: exited %.2f s after SIGTERM\n", waited);
     assert_true(waited < 5.0);
     close(a);
