@@ -292,7 +292,6 @@ static void process(pb_conn_t *c)
         return; /* the loop below re-checks blocked() itself */
     c->processing = true;
     c->refs++; /* a reply may close c under us */
-    bool held_drain = s->stopping && c->drain_left > 0;
     while (!c->closing && !c->close_after_flush && c->start < c->len && !blocked(c)) {
         size_t n;
         int rc = pb_scan_feed(&c->scan, (const uint8_t *)c->buf + c->start, c->len - c->start,
@@ -333,13 +332,15 @@ static void process(pb_conn_t *c)
         }
     }
     c->processing = false;
-    /* Draining, look again when this connection stopped holding the drain
-     * (pb_conns_drained): its last message from before the stop was taken
-     * (which may start no request and write nothing: a dropped
+    /* Draining, look again whenever this connection no longer holds the
+     * drain (pb_conns_drained): its last message from before the stop was
+     * taken (which may start no request and write nothing: a dropped
      * notification, an early error sent inline), or a message is now known
-     * to end past what came before the stop. */
+     * to end past what came before the stop.  Not only when it held the
+     * drain on entry: a shutdown request in this very batch starts the
+     * stop half-way through it. */
     bool now_late = s->stopping && c->drain_left > 0 && c->scan.need > c->drain_left;
-    bool released = held_drain && (c->drain_left == 0 || now_late);
+    bool released = s->stopping && (c->drain_left == 0 || now_late);
     pb_conn_unref(c);
     if (released)
         s->cb.on_idle(s->cb.data);
@@ -468,7 +469,7 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     s->count++;
     pb_log(PB_LOG_INFO, "connection %llu opened (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
            (int)c->pid);
-    if (!pb__conns_admit(s, c->uid)) {
+    if (!pb__conns_admit(s, c)) {
         pb__conn_refuse(c, "uid %u has max_connections_per_uid (%zu) connections open", (unsigned)c->uid,
                         s->cfg->max_connections_per_uid);
         return;

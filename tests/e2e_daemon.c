@@ -844,7 +844,6 @@ static void shutdown_method(void **state)
         int st;
         assert_int_equal(waitpid(d->pid, &st, 0), d->pid);
         daemon_reaped(d);
-    daemon_reaped(d);
         assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
     } else {
         assert_string_equal(pb_reply_code(&r), "permission_denied");
@@ -853,6 +852,19 @@ static void shutdown_method(void **state)
     }
     pb_client_close(c);
     pb_client_close(o);
+}
+
+/* d still answers a new client's hello; then it is stopped (SIGTERM) and
+ * must exit 0. */
+static void still_serving_then_stop(daemon_t *d)
+{
+    pb_client_t *c = conn(d);
+    pb_reply_t r;
+    simple(c, "hello", &r);
+    assert_null(r.error);
+    pb_reply_free(&r);
+    pb_client_close(c);
+    assert_int_equal(daemon_stop(d), 0);
 }
 
 static void socket_takeover(void **state)
@@ -880,13 +892,7 @@ static void socket_takeover(void **state)
     int st2;
     assert_int_equal(waitpid(p2, &st2, 0), p2);
     assert_true(WIFEXITED(st2) && WEXITSTATUS(st2) != 0 && WEXITSTATUS(st2) != 127);
-    pb_client_t *c = conn(d);
-    pb_reply_t r;
-    simple(c, "hello", &r);
-    assert_null(r.error);
-    pb_reply_free(&r);
-    pb_client_close(c);
-    assert_int_equal(daemon_stop(d), 0);
+    still_serving_then_stop(d);
 }
 
 /* Past --max-inflight-per-connection the daemon stops reading from the
@@ -1299,6 +1305,41 @@ static void sigterm_dropped_notification(void **state)
 }
 
 /* drain: no new forward calls, but reverse and release are still served. */
+/* A shutdown request and a bad notification in one write: the stop
+ * starts half-way through the batch, and the notification after it (the
+ * connection's last message from before the stop, dropped, writing
+ * nothing) ends the drain.  Before the fix the daemon waited out
+ * --drain-timeout.  Only an admin may stop the daemon: elsewhere it
+ * checks the refusal and that the daemon stays up. */
+static void shutdown_then_notification(void **state)
+{
+    (void)state;
+    daemon_t *d = &solo;
+    assert_int_equal(start(d, "--drain-timeout", "20", NULL), 0);
+    int fd = raw_connect(d);
+    const unsigned char batch[] = {
+        0x94, 0x00, 0x01, 0xa8, 's', 'h', 'u', 't', 'd', 'o', 'w', 'n', 0x91, 0x80, /* [0, 1, "shutdown", [{}]] */
+        0x92, 0x02, 0xa7, 'r', 'e', 'l', 'e', 'a', 's', 'e',                      /* [2, "release"] */
+    };
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    assert_int_equal(send(fd, batch, sizeof batch, MSG_NOSIGNAL), (ssize_t)sizeof batch);
+    unsigned char reply[4096];
+    ssize_t n = recv(fd, reply, sizeof reply, 0);
+    assert_true(n > 4);
+    /* [1, 1, error, result]: error nil when the stop was accepted */
+    assert_int_equal(reply[0], 0x94);
+    if (reply[3] == 0xc0) {
+        double waited = wait_clean_exit(d, &t0, "a notification after shutdown held the drain");
+        print_message("shutdown_then_notification: exited %.2f s after shutdown\n", waited);
+        assert_true(waited < 5.0);
+    } else {
+        assert_true(getuid() != 0);
+        still_serving_then_stop(d);
+    }
+    close(fd);
+}
+
 static void drain_method(void **state)
 {
     (void)state;
@@ -1449,6 +1490,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(sigterm_client_not_reading, stop_solo),
         cmocka_unit_test_teardown(sigterm_incomplete_message, stop_solo),
         cmocka_unit_test_teardown(sigterm_dropped_notification, stop_solo),
+        cmocka_unit_test_teardown(shutdown_then_notification, stop_solo),
         cmocka_unit_test_teardown(drain_method, stop_solo),
         cmocka_unit_test(slow_request_isolated),
     };
