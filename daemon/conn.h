@@ -142,6 +142,8 @@ struct pb_conn {
     bool last_read;                /* socket shut for reading; refusing the rest */
     bool starved;                  /* reading stopped for the set's buffering cap */
     bool want_memory;              /* alloc_cb was refused growth: starve on ENOBUFS */
+    bool counted;                  /* in its uid's entry (pb__conns_admit); false
+                                    * when that entry could not be made */
     size_t want_more;              /* the growth it was last refused (which cap binds) */
     size_t held;                   /* held bytes as last counted in the set */
     uint64_t id;
@@ -236,9 +238,11 @@ static inline int pb_conn_take_fd(pb_conn_t *c, int i)
 
 /* ---- conn_budget.c: buffering across connections (glossary: held) -------- */
 
-/* A new connection of uid (counted until pb__conns_leave): false when it
- * is one past max_connections_per_uid, or out of memory. */
-bool pb__conns_admit(pb_conns_t *s, uid_t uid);
+/* A new connection, counted in its uid's entry until pb__conns_leave
+ * (c->counted): false when it is one past max_connections_per_uid, or out
+ * of memory for the entry (then c is not counted, and nothing of it is
+ * ever taken from another connection's entry of the same uid). */
+bool pb__conns_admit(pb_conns_t *s, pb_conn_t *c);
 /* c is closing: it no longer counts against max_connections_per_uid. */
 void pb__conns_closed(pb_conns_t *s, pb_conn_t *c);
 /* c is freed: give back its held bytes. */

@@ -19,15 +19,22 @@ static pb_uid_use_t *uid_use(pb_conns_t *s, uid_t uid)
     return NULL;
 }
 
-bool pb__conns_admit(pb_conns_t *s, uid_t uid)
+/* c's entry, NULL for a connection never counted in one. */
+static pb_uid_use_t *use_of(pb_conns_t *s, const pb_conn_t *c)
 {
-    pb_uid_use_t *u = uid_use(s, uid);
+    return c->counted ? uid_use(s, c->uid) : NULL;
+}
+
+bool pb__conns_admit(pb_conns_t *s, pb_conn_t *c)
+{
+    pb_uid_use_t *u = uid_use(s, c->uid);
     if (u == NULL) {
         if (!pb__grow((void **)&s->uids, s->nuids, &s->capuids, sizeof *s->uids))
             return false;
         u = &s->uids[s->nuids++];
-        *u = (pb_uid_use_t){.uid = uid};
+        *u = (pb_uid_use_t){.uid = c->uid};
     }
+    c->counted = true;
     u->open++;
     u->members++;
     return u->open <= s->cfg->max_connections_per_uid;
@@ -36,7 +43,7 @@ bool pb__conns_admit(pb_conns_t *s, uid_t uid)
 void pb__conns_closed(pb_conns_t *s, pb_conn_t *c)
 {
     pb__conn_unstarve(c);
-    pb_uid_use_t *u = uid_use(s, c->uid);
+    pb_uid_use_t *u = use_of(s, c);
     if (u)
         u->open--;
 }
@@ -44,11 +51,11 @@ void pb__conns_closed(pb_conns_t *s, pb_conn_t *c)
 void pb__conns_leave(pb_conns_t *s, pb_conn_t *c)
 {
     s->held -= c->held;
-    pb_uid_use_t *u = uid_use(s, c->uid);
+    pb_uid_use_t *u = use_of(s, c);
     size_t held = c->held;
     c->held = 0;
     if (u == NULL)
-        return; /* never admitted: out of memory at accept */
+        return; /* never counted: out of memory at accept */
     u->held -= held;
     if (--u->members == 0) {
         *u = s->uids[--s->nuids];
@@ -125,7 +132,7 @@ void pb__conn_account(pb_conn_t *c)
     size_t now = c->cap + c->reserved + c->pending_write + c->obuf.size;
     if (now == c->held)
         return;
-    pb_uid_use_t *u = uid_use(s, c->uid);
+    pb_uid_use_t *u = use_of(s, c);
     bool shrank = now < c->held;
     s->held = s->held - c->held + now;
     if (u)
@@ -145,7 +152,7 @@ void pb_conns_memory_back(pb_conns_t *s)
 void pb__conns_request_begin(pb_conns_t *s, const pb_conn_t *c)
 {
     s->inflight++;
-    pb_uid_use_t *u = uid_use(s, c->uid);
+    pb_uid_use_t *u = use_of(s, c);
     if (u)
         u->inflight++;
 }
@@ -153,7 +160,7 @@ void pb__conns_request_begin(pb_conns_t *s, const pb_conn_t *c)
 void pb__conns_request_done(pb_conns_t *s, const pb_conn_t *c)
 {
     s->inflight--;
-    pb_uid_use_t *u = uid_use(s, c->uid);
+    pb_uid_use_t *u = use_of(s, c);
     if (u)
         u->inflight--;
     wake(s);
@@ -164,7 +171,7 @@ bool pb__conn_may_grow(const pb_conn_t *c, size_t more)
     const pb_conns_t *s = c->set;
     if (s->held + pb_offloop_unmapping() + more > s->cfg->max_buffered_bytes)
         return false;
-    const pb_uid_use_t *u = uid_use((pb_conns_t *)s, c->uid);
+    const pb_uid_use_t *u = use_of((pb_conns_t *)s, c);
     return u == NULL || u->held + more <= s->cfg->max_buffered_bytes_per_uid;
 }
 
@@ -183,7 +190,7 @@ void pb__conn_starve(pb_conn_t *c)
      * back when it is answered, and wakes the starved then: any request
      * when the total binds, one of c's uid when the uid's cap does
      * (another uid's request gives none of its bytes back). */
-    pb_uid_use_t *u = uid_use(s, c->uid);
+    pb_uid_use_t *u = use_of(s, c);
     bool total_binds = !under_cap(s) || s->held + pb_offloop_unmapping() + c->want_more > cfg->max_buffered_bytes;
     bool per_uid = u && !total_binds;
     if (per_uid ? u->inflight > 0 : s->inflight > 0)
