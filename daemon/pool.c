@@ -55,6 +55,36 @@ static void par_wake(void *arg)
     pthread_mutex_unlock(&p->lock);
 }
 
+/* A worker that has just helped stays awake this long for the next piece
+ * before it sleeps: a request that splits its work (LAPACK's reductions
+ * split a GEMV per column, kernels/blas_lapack.c) publishes pieces every
+ * few tens of µs, and a sleeping helper takes tens of µs to wake on these
+ * VMs, by which time the caller has run the piece itself.  It spins only
+ * on a core no job wants, and only right after a split. */
+#define HELP_SPIN_NS 200000
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Outside the lock: until a task is published, a job is submitted, or
+ * HELP_SPIN_NS pass. */
+static void spin_for_work(pb_pool_t *p)
+{
+    unsigned gen = atomic_load_explicit(&p->submitted, memory_order_relaxed);
+    uint64_t t0 = now_ns();
+    for (unsigned i = 1;; i++) {
+        if (pb_par_pending() || atomic_load_explicit(&p->submitted, memory_order_relaxed) != gen)
+            return;
+        cpu_relax();
+        if (i % 64 == 0 && now_ns() - t0 > HELP_SPIN_NS)
+            return;
+    }
+}
+
 static void *worker_main(void *arg)
 {
     pb_pool_t *p = arg;
@@ -77,6 +107,11 @@ static void *worker_main(void *arg)
                 atomic_fetch_add(&p->busy_ns, now_ns() - t0);
                 pthread_mutex_lock(&p->lock);
                 p->helping--;
+                if (!p->stopping && p->todo[PB_DEV_CPU].head == NULL) {
+                    pthread_mutex_unlock(&p->lock);
+                    spin_for_work(p);
+                    pthread_mutex_lock(&p->lock);
+                }
                 continue;
             }
             pthread_cond_wait(&p->cond, &p->lock);
@@ -172,6 +207,7 @@ void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job)
 {
     pthread_mutex_lock(&p->lock);
     q_push(&p->todo[dev.kind], job);
+    atomic_fetch_add_explicit(&p->submitted, 1, memory_order_relaxed);
     pthread_mutex_unlock(&p->lock);
     /* After the unlock, so the worker it wakes does not block on the lock
      * at once; no wake-up is lost, since a worker checks the queue under

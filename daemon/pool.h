@@ -49,6 +49,7 @@ typedef struct pb_pool {
     int helping;          /* idle workers running another job's pieces */
     _Atomic uint64_t busy_ns; /* time workers spent on jobs and pieces */
     int started;          /* workers that reached their loop */
+    _Atomic unsigned submitted; /* jobs submitted so far: a spinning helper's signal */
 } pb_pool_t;
 
 /* Start n CPU workers (at least one) and wait until each is running.  0,

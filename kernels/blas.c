@@ -104,8 +104,11 @@ void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta
                    ld(b), a.p, ld(a), be, c.p, ld(c));
 }
 
+void pb__blas_lapack_linked(void);
+
 void pb_blas_init_threads(int n)
 {
+    pb__blas_lapack_linked(); /* LAPACK's GEMMs on the idle cores */
     openblas_set_num_threads(n);
 }
 

@@ -10,9 +10,20 @@ typedef struct task {
     long n, chunk;       /* [0, n) in chunks of `chunk` */
     long nchunks;
     atomic_long next;    /* next chunk to claim */
-    int helpers;         /* helpers inside; under board_lock */
+    atomic_int helpers;  /* helpers inside; changed under board_lock */
     struct task *next_task;
 } task_t;
+
+/* How long a caller waits awake for its helpers: this many pause
+ * instructions, a few hundred µs. */
+#define WAIT_SPINS 20000
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
 
 static pthread_mutex_t board_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t board_left = PTHREAD_COND_INITIALIZER; /* a helper left a task */
@@ -68,14 +79,15 @@ void pb_par_help(void)
         while (t && atomic_load(&t->next) >= t->nchunks)
             t = t->next_task;
         if (t)
-            t->helpers++;
+            atomic_fetch_add(&t->helpers, 1);
         pthread_mutex_unlock(&board_lock);
         if (t == NULL)
             return;
         long done = run_chunks(t);
         atomic_fetch_add(&nhelped, (unsigned long long)done);
+        /* After the decrement t may be gone (its caller saw no helper). */
         pthread_mutex_lock(&board_lock);
-        if (--t->helpers == 0)
+        if (atomic_fetch_sub(&t->helpers, 1) == 1)
             pthread_cond_broadcast(&board_left);
         pthread_mutex_unlock(&board_lock);
     }
@@ -100,6 +112,7 @@ void pb_par_for(long n, long grain, pb_par_fn fn, void *ctx)
     task_t t = {.fn = fn, .ctx = ctx, .n = n, .chunk = (n + nchunks - 1) / nchunks};
     t.nchunks = (n + t.chunk - 1) / t.chunk;
     atomic_init(&t.next, 0);
+    atomic_init(&t.helpers, 0);
     pthread_mutex_lock(&board_lock);
     t.next_task = board;
     board = &t;
@@ -108,13 +121,21 @@ void pb_par_for(long n, long grain, pb_par_fn fn, void *ctx)
     atomic_fetch_add(&ntasks, 1);
     b.wake(b.arg);
     run_chunks(&t);
-    /* Unpublish, then wait for the helpers still running a chunk. */
+    /* Unpublish, then wait for the helpers still running a chunk: first
+     * awake (their last chunk is usually µs from done, and a futex
+     * wake-up costs tens of µs on these VMs), then asleep. */
     pthread_mutex_lock(&board_lock);
     task_t **pp = &board;
     while (*pp != &t)
         pp = &(*pp)->next_task;
     *pp = t.next_task;
-    while (t.helpers > 0)
-        pthread_cond_wait(&board_left, &board_lock);
     pthread_mutex_unlock(&board_lock);
+    for (int i = 0; i < WAIT_SPINS && atomic_load(&t.helpers) > 0; i++)
+        cpu_relax();
+    if (atomic_load(&t.helpers) > 0) {
+        pthread_mutex_lock(&board_lock);
+        while (atomic_load(&t.helpers) > 0)
+            pthread_cond_wait(&board_left, &board_lock);
+        pthread_mutex_unlock(&board_lock);
+    }
 }

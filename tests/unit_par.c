@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <cmocka.h>
+#include <lapacke.h>
 
 #if defined(__has_include)
 #if __has_include(<valgrind/valgrind.h>)
@@ -29,6 +30,7 @@
 
 #include "kernels/act.h"
 #include "kernels/blas.h"
+#include "kernels/cmplx.h"
 #include "kernels/op.h"
 #include "kernels/par.h"
 #include "kernels/strided.h"
@@ -560,6 +562,69 @@ static void strided_reduction_not_split(void **state)
     free(src);
 }
 
+/* LAPACK's GEMMs (kernels/blas_lapack.c): the Fortran entry, lower-case
+ * transposes and complex scalars included, splits as pb_gemm_cm does and
+ * gives what it gives unsplit; and LAPACK's own calls reach it (a QR of
+ * 600², whose block reflectors are GEMMs, splits and gives the same R). */
+void zgemm_(const char *, const char *, const int *, const int *, const int *, const double complex *,
+            const double complex *, const int *, const double complex *, const int *, const double complex *,
+            double complex *, const int *);
+
+static void lapack_gemm_entry(void **state)
+{
+    (void)state;
+    int m = 300, n = 500, k = 200, lda = k, ldb = n, ldc = m;
+    size_t es = sizeof(double complex);
+    void *a = malloc((size_t)k * m * es), *b = malloc((size_t)n * k * es);
+    void *c1 = malloc((size_t)m * n * es), *c2 = malloc((size_t)m * n * es);
+    fill(a, (size_t)k * m * 2, 8, 7);
+    fill(b, (size_t)n * k * 2, 8, 8);
+    fill(c1, (size_t)m * n * 2, 8, 9);
+    memcpy(c2, c1, (size_t)m * n * es);
+    double complex al = CMPLX(0.5, 0.25), be = CMPLX(-1, 0);
+    pb_par_set_backend(NULL);
+    pb_gemm_cm(PB_C128, 'C', 'T', m, n, k, (pb_scalar_t){0.5, 0.25}, a, lda, b, ldb, (pb_scalar_t){-1, 0}, c1, ldc);
+    pb_par_set_backend(&fake);
+    while (atomic_load(&idle_threads) < NHELPERS)
+        usleep(100);
+    unsigned long long t0, h0, t1, h1;
+    pb_par_counts(&t0, &h0);
+    zgemm_("c", "t", &m, &n, &k, &al, a, &lda, b, &ldb, &be, c2, &ldc);
+    pb_par_counts(&t1, &h1);
+    pb_par_set_backend(NULL);
+    assert_int_equal(t1 - t0, 1);
+    assert_true(max_rel_diff(c2, c1, (size_t)m * n * 2, 8) < 1e-13);
+    free(a);
+    free(b);
+    free(c1);
+    free(c2);
+}
+
+static void lapack_calls_split(void **state)
+{
+    (void)state;
+    int n = 600;
+    size_t bytes = (size_t)n * n * sizeof(double);
+    double *r1 = malloc(bytes), *r2 = malloc(bytes), *tau = malloc((size_t)n * sizeof *tau);
+    fill(r1, (size_t)n * n, 8, 10);
+    memcpy(r2, r1, bytes);
+    assert_int_equal(LAPACKE_dgeqrf(LAPACK_COL_MAJOR, n, n, r1, n, tau), 0);
+    pb_par_set_backend(&fake);
+    while (atomic_load(&idle_threads) < NHELPERS)
+        usleep(100);
+    unsigned long long t0, h0, t1, h1;
+    pb_par_counts(&t0, &h0);
+    assert_int_equal(LAPACKE_dgeqrf(LAPACK_COL_MAJOR, n, n, r2, n, tau), 0);
+    pb_par_counts(&t1, &h1);
+    pb_par_set_backend(NULL);
+    print_message("geqrf %d²: %llu GEMMs split\n", n, t1 - t0);
+    assert_true(t1 - t0 > 0);
+    assert_true(max_rel_diff(r2, r1, (size_t)n * n, 8) < 1e-12);
+    free(r1);
+    free(r2);
+    free(tau);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -568,7 +633,8 @@ int main(void)
         cmocka_unit_test(odd_sizes), cmocka_unit_test(nested), cmocka_unit_test(concurrent),
         cmocka_unit_test(gemm_split_matches), cmocka_unit_test(gemm_views),
         cmocka_unit_test(fused_dense_split_matches), cmocka_unit_test(strided_split_matches),
-        cmocka_unit_test(strided_reduction_not_split),
+        cmocka_unit_test(strided_reduction_not_split), cmocka_unit_test(lapack_gemm_entry),
+        cmocka_unit_test(lapack_calls_split),
     };
     return cmocka_run_group_tests_name("unit.par", tests, setup, teardown);
 }

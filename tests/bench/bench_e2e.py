@@ -11,9 +11,10 @@ would do instead, measured in the same run (issue 15's figures).
                 a copy of the same 64 MiB in memory (numpy: the 32 MiB out
                 and the 32 MiB back), and ÷ the shared-memory path's round
                 trip plus that copy; also against one way's copy alone.
-  alone/two     svd_vals of a 1024² f64 matrix (LAPACK-bound), and a
-                1024³ f64 tensorcontract (GEMM-bound), alone ÷ two at once on
-                two connections.
+  alone/two     svd_vals of a 1024² f64 matrix (LAPACK, half of it GEMV),
+                qr_compact of the same (LAPACK, mostly GEMM), and a 1024³ f64
+                tensorcontract (GEMM-bound), alone ÷ two at once on two
+                connections.
 
 Starts its own daemon ($PULLBACKD_BIN, else build/daemon/pullbackd) unless
 PULLBACKD_SOCKET names a running one.  --quick for a short run.  Run with
@@ -174,10 +175,10 @@ def bench_alone_two(path, op="svd_vals"):
     clients = [pullbackd.Client(path), pullbackd.Client(path)]
 
     def one(c):
-        if op == "svd_vals":
-            c.forward("svd_vals", {"A": A})
-        else:
+        if op == "tensorcontract":
             c.forward("tensorcontract", {"A": A, "B": A}, options={"spec": "ij,jk->ik"})
+        else:
+            c.forward(op, {"A": A})
 
     alone = best(lambda: one(clients[0]), 3)
 
@@ -208,7 +209,8 @@ def main():
         with pullbackd.Client(path) as c:
             bench_fused_dense(c)
             bench_transpose(c)
-        bench_alone_two(path, "svd_vals")      # LAPACK-bound: one core
+        bench_alone_two(path, "svd_vals")      # LAPACK, half GEMV: one core
+        bench_alone_two(path, "qr_compact")    # LAPACK, its GEMMs split (kernels/blas_lapack.c)
         bench_alone_two(path, "tensorcontract")  # GEMM-bound: idle workers help
     finally:
         if proc:

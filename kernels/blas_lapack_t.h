@@ -1,0 +1,13 @@
+/* The Fortran GEMM LAPACK calls, for one dtype: a body for dtype_t.h,
+ * instantiated by blas_lapack.c (which says why it exists): pb_gemm_cm.
+ * Arguments as the reference BLAS takes them (by address; gfortran's
+ * hidden lengths of the character arguments follow and are not needed). */
+
+void PB_CAT(LP, gemm_)(const char *ta, const char *tb, const int *m, const int *n, const int *k, const T *alpha,
+                       const T *a, const int *lda, const T *b, const int *ldb, const T *beta, T *c, const int *ldc);
+void PB_CAT(LP, gemm_)(const char *ta, const char *tb, const int *m, const int *n, const int *k, const T *alpha,
+                       const T *a, const int *lda, const T *b, const int *ldb, const T *beta, T *c, const int *ldc)
+{
+    pb_scalar_t al = {RE(*alpha), IM(*alpha)}, be = {RE(*beta), IM(*beta)};
+    pb_gemm_cm(DT, fortran_op(*ta), fortran_op(*tb), *m, *n, *k, al, a, *lda, b, *ldb, be, c, *ldc);
+}
