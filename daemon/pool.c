@@ -56,19 +56,12 @@ static void par_wake(void *arg)
 }
 
 /* A worker that has just helped stays awake this long for the next piece
- * before it sleeps: a request that splits its work (LAPACK's reductions
- * split a GEMV per column, kernels/blas_lapack.c) publishes pieces every
- * few tens of µs, and a sleeping helper takes tens of µs to wake on these
- * VMs, by which time the caller has run the piece itself.  It spins only
+ * before it sleeps: a request that splits its work (a factorization's
+ * panel-sized GEMMs, kernels/blas_lapack.c) publishes pieces every few
+ * hundred µs, and a sleeping helper takes tens of µs to wake on these
+ * VMs, by which time the caller has run much of the piece itself.  It spins only
  * on a core no job wants, and only right after a split. */
 #define HELP_SPIN_NS 200000
-
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
 
 /* Outside the lock: until a task is published, a job is submitted, or
  * HELP_SPIN_NS pass. */
@@ -79,7 +72,7 @@ static void spin_for_work(pb_pool_t *p)
     for (unsigned i = 1;; i++) {
         if (pb_par_pending() || atomic_load_explicit(&p->submitted, memory_order_relaxed) != gen)
             return;
-        cpu_relax();
+        pb_cpu_relax();
         if (i % 64 == 0 && now_ns() - t0 > HELP_SPIN_NS)
             return;
     }

@@ -18,13 +18,6 @@ typedef struct task {
  * instructions, a few hundred µs. */
 #define WAIT_SPINS 20000
 
-static inline void cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-}
-
 static pthread_mutex_t board_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t board_left = PTHREAD_COND_INITIALIZER; /* a helper left a task */
 static task_t *board;            /* published tasks, newest first */
@@ -131,7 +124,7 @@ void pb_par_for(long n, long grain, pb_par_fn fn, void *ctx)
     *pp = t.next_task;
     pthread_mutex_unlock(&board_lock);
     for (int i = 0; i < WAIT_SPINS && atomic_load(&t.helpers) > 0; i++)
-        cpu_relax();
+        pb_cpu_relax();
     if (atomic_load(&t.helpers) > 0) {
         pthread_mutex_lock(&board_lock);
         while (atomic_load(&t.helpers) > 0)

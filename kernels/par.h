@@ -42,4 +42,14 @@ void pb_par_help(void);
 /* Tasks split so far and chunks run by helpers (for metrics and tests). */
 void pb_par_counts(unsigned long long *tasks, unsigned long long *helped);
 
+/* One step of a busy wait (the CPU's pause hint): for the waits here and
+ * the pool's, which stay awake briefly because a futex wake-up costs tens
+ * of µs on virtual machines. */
+static inline void pb_cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
 #endif
