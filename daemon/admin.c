@@ -88,6 +88,10 @@ static void write_gauges(pb_req_t *r, pb_prom_t *p)
           "Bytes held for connections (what max_buffered_bytes caps): read buffers, requests' messages and "
           "expected replies, queued replies.",
           (double)pb_conns_held(rpc->conns));
+    gauge(p, "pullbackd_read_bytes_moved_total", "counter",
+          "Bytes of partly read messages moved to make room in a read buffer (a big message's buffer is sized "
+          "from the lengths its header declares, so this stays near one read's worth per message).",
+          (double)pb_conns_moved(rpc->conns));
     gauge(p, "pullbackd_workers", "gauge", "Worker threads.", (double)rpc->pool.nthreads);
     gauge(p, "pullbackd_worker_busy_seconds_total", "counter",
           "Time the workers spent on requests (their own, and pieces of others').",

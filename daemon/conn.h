@@ -117,6 +117,10 @@ typedef struct pb_conns {
     size_t count;
     size_t held;                   /* the connections' held bytes summed */
     size_t nstarved;               /* connections starved now */
+    uint64_t moved;                /* bytes of partly read messages moved to
+                                    * make room (alloc_cb): a read buffer
+                                    * sized from the declared lengths moves
+                                    * none past its first read */
     size_t inflight;               /* requests in flight, closed connections' too */
     uv_idle_t decide;              /* started when the starved must decide again
                                     * (conn_budget.c); closed by pb_conns_destroy */
@@ -212,6 +216,7 @@ void pb_conns_memory_back(pb_conns_t *s);
 static inline size_t pb_conns_count(const pb_conns_t *s) { return s->count; }
 /* The connections' held bytes (glossary), summed. */
 static inline size_t pb_conns_held(const pb_conns_t *s) { return s->held; }
+static inline uint64_t pb_conns_moved(const pb_conns_t *s) { return s->moved; }
 static inline void pb_conn_ref(pb_conn_t *c) { c->refs++; }
 /* A request of c begins: it counts as in flight until
  * pb_conn_request_done. */

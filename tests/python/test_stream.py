@@ -10,9 +10,12 @@ Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_str
 """
 
 import os
+import socket
 import sys
+import time
 import unittest
 
+import msgpack
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -88,6 +91,38 @@ class StreamTest(DaemonCase):
         finally:
             del cache.take
 
+    def test_daemon_moves_no_bytes_of_a_big_message(self):
+        # W (4 MiB) then x (1 MiB) in one message, sent in two parts with a
+        # pause between them, so that the daemon has read all of W before
+        # x's length is declared: x lands in the room left after W (sized
+        # from W's declared length), W is not moved.  What a read buffer
+        # moves is in pullbackd_read_bytes_moved_total: at most the first
+        # read's worth (64 KiB) here, all of W (4 MiB) if it moved.
+        W = self.rng.standard_normal((1024, 512))
+        x = self.rng.standard_normal((512, 256))
+        msg = msgpack.packb([0, 1, "forward", [{"op": "fused_dense", "inputs": {
+            "weight": pullbackd.encode_tensor(W), "x": pullbackd.encode_tensor(x)}}]])
+        cut = msg.index(W.tobytes()) + W.nbytes
+        before = moved(self.c)
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(self.path)
+            s.sendall(msg[:cut])
+            time.sleep(0.3)
+            s.sendall(msg[cut:])
+            s.settimeout(30)
+            u = msgpack.Unpacker(raw=False, max_bin_len=1 << 30)
+            reply = None
+            while reply is None:
+                data = s.recv(1 << 20)
+                self.assertTrue(data, "the daemon closed the connection")
+                u.feed(data)
+                for reply in u:
+                    break
+        self.assertIsNone(reply[2])
+        y = pullbackd.decode_tensor(reply[3]["outputs"]["y"])
+        np.testing.assert_allclose(y, W @ x, rtol=1e-12, atol=1e-10)
+        self.assertLessEqual(moved(self.c) - before, 1 << 17)
+
     def test_pipelined(self):
         big = self.rng.standard_normal((1000, 700))
         small = self.rng.standard_normal((3, 2))
@@ -159,6 +194,14 @@ class StreamTest(DaemonCase):
         self.c.close()
         self.assertEqual(cache.buffers, [])
         self.assertEqual(held[0].shape, (1024, 1024))
+
+
+def moved(c):
+    """pullbackd_read_bytes_moved_total, from the metrics method."""
+    for line in c.call("metrics")["text"].splitlines():
+        if line.startswith("pullbackd_read_bytes_moved_total "):
+            return float(line.split()[1])
+    raise AssertionError("no pullbackd_read_bytes_moved_total in metrics")
 
 
 def buffer_of(C):
