@@ -105,11 +105,15 @@ void pb_conn_close(pb_conn_t *c)
     c->set->cb.on_idle(c->set->cb.data);
 }
 
-/* Room enough to read into: a read's worth, or the rest of a message whose
- * length a declared payload told (need, from the scan: no more). */
+/* Room enough to read into: with a declared payload pending (need, from
+ * the scan), all of it, else a read's worth.  A buffer that cannot hold the
+ * payload grows before it reads more: what it moves then is what it holds
+ * now, not that plus more reads. */
 static bool room_enough(const pb_conn_t *c, size_t need)
 {
-    return c->cap - c->len >= READ_CHUNK || (need && c->start + need <= c->cap && c->cap > c->len);
+    if (need)
+        return c->start + need <= c->cap && c->cap > c->len;
+    return c->cap - c->len >= READ_CHUNK;
 }
 
 static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
@@ -188,6 +192,11 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
 room:
     b->base = c->buf + c->len;
     b->len = c->cap - c->len;
+    /* A read stops one read's worth past the payload waited for: what it
+     * takes of the next message (pipelined) is moved to a buffer of its
+     * own when this one is taken (take_message), so it stays short. */
+    if (need && c->start + need + READ_CHUNK < c->cap)
+        b->len = c->start + need + READ_CHUNK - c->len;
 }
 
 /* The storage of the message at buf[start, start + n): the buffer itself
@@ -202,6 +211,7 @@ static pb_storage_t *take_message(pb_conn_t *c, size_t n)
         if (nb == NULL)
             return NULL;
         memcpy(nb, c->buf + c->start + n, rest);
+        c->set->moved += rest;
         pb_storage_t *s = pb_storage_view(c->buf + c->start, n, pb_mem_free, c->buf);
         if (s == NULL) {
             pb_mem_free(nb);

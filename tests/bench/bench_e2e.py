@@ -39,6 +39,10 @@ QUICK = "--quick" in sys.argv
 
 
 def best(fn, reps):
+    """fn's best time over reps runs, one after another.  Not interleaved
+    with the other side of a ratio: PyTorch's BLAS threads stay awake
+    after each call, and taking turns with them made the daemon's f32
+    (1024, 1024, 256) forward twice as slow (measured)."""
     fn()
     ts = []
     for _ in range(reps):

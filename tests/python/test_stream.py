@@ -123,6 +123,21 @@ class StreamTest(DaemonCase):
         np.testing.assert_allclose(y, W @ x, rtol=1e-12, atol=1e-10)
         self.assertLessEqual(moved(self.c) - before, 1 << 17)
 
+    def test_daemon_moves_no_bytes_of_pipelined_big_messages(self):
+        # Four 2 MiB requests written back to back: a read stops one read's
+        # worth (64 KiB) past the payload it waits for, so what is read past
+        # a message and moved to the next one's buffer stays that short, and
+        # that buffer's first growth moves at most two reads' worth: 192 KiB
+        # a message at most (2.6 MB in all when reads ran on into the room
+        # kept after a payload).
+        As = [self.rng.standard_normal((512, 512)) for _ in range(4)]
+        before = moved(self.c)
+        ids = [self.c.send("forward", {"op": "tensoradd", "inputs": {"A": pullbackd.encode_tensor(A)},
+                                       "options": {"pA": [1, 0]}}) for A in As]
+        for msgid, A in zip(ids, As):
+            np.testing.assert_array_equal(pullbackd.decode_tensor(self.c.wait(msgid)["outputs"]["C"]), A.T)
+        self.assertLessEqual(moved(self.c) - before, len(As) * 3 * (1 << 16))
+
     def test_pipelined(self):
         big = self.rng.standard_normal((1000, 700))
         small = self.rng.standard_normal((3, 2))
