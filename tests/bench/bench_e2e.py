@@ -10,7 +10,9 @@ would do instead, measured in the same run (issue 15's figures).
   transpose     a 2048² f64 tensoradd transpose sent inline, round trip ÷
                 a copy of the same 64 MiB in memory (numpy: the 32 MiB out
                 and the 32 MiB back), and ÷ the shared-memory path's round
-                trip plus that copy; also against one way's copy alone.
+                trip plus that copy; also against one way's copy alone, and
+                against the same bytes through a bare socketpair (the
+                floor of any socket transport here) plus the shm trip.
   alone/two     svd_vals of a 1024² f64 matrix (LAPACK, half of it GEMV),
                 qr_compact of the same (LAPACK, mostly GEMM), and a 1024³ f64
                 tensorcontract (GEMM-bound), alone ÷ two at once on two
@@ -21,6 +23,7 @@ PULLBACKD_SOCKET names a running one.  --quick for a short run.  Run with
 /usr/bin/python3 (Debian's numpy, msgpack and torch)."""
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -168,9 +171,48 @@ def bench_transpose(c):
         np.testing.assert_array_equal(sb.array(nbytes, (n, n), "f64"), A.T)
         s = best(shm, 5)
     a, t, h = best(ours, 5), best(copy, 5), best(copy_half, 5)
+    w = socket_floor(A)
     print(f"transpose {n}² f64 inline round trip {a * 1e3:.1f} ms, copy of both ways {t * 1e3:.1f} ms: "
           f"ratio {a / t:.1f}; shm {s * 1e3:.1f} ms: inline/(shm + copy) {a / (s + t):.2f}  "
           f"(against one way's copy, {h * 1e3:.1f} ms: {a / h:.1f} and {a / (s + h):.2f})")
+    print(f"  the socket's floor: {A.nbytes >> 20} MiB through a bare socketpair {w * 1e3:.1f} ms a way; "
+          f"inline/(shm + both ways) {a / (s + 2 * w):.2f}")
+
+
+def socket_floor(A):
+    """What moving A's bytes through a Unix socket costs here with nothing
+    else done: a socketpair with the send buffer the client and daemon set
+    (4 MiB), this thread sending from A's memory, another receiving into
+    memory already paged in, as the daemon's and the client's buffers are.
+    Best time of one way."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    for sk in (a, b):
+        sk.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+    dst = memoryview(np.ones(A.nbytes, np.uint8))
+    n = A.nbytes
+
+    def receive():
+        while True:
+            got = 0
+            while got < n:
+                k = b.recv_into(dst[got:])
+                if k == 0:
+                    return
+                got += k
+            b.sendall(b"!")
+
+    rx = threading.Thread(target=receive, daemon=True)
+    rx.start()
+    src = memoryview(A).cast("B")
+
+    def one_way():
+        a.sendall(src)
+        a.recv(1)
+    t = best(one_way, 10)
+    a.close()
+    rx.join()
+    b.close()
+    return t
 
 
 def bench_alone_two(path, op="svd_vals"):
