@@ -89,8 +89,8 @@ static void write_gauges(pb_req_t *r, pb_prom_t *p)
           "expected replies, queued replies.",
           (double)pb_conns_held(rpc->conns));
     gauge(p, "pullbackd_read_bytes_moved_total", "counter",
-          "Bytes of partly read messages moved to make room in a read buffer (a big message's buffer is sized "
-          "from the lengths its header declares, so this stays near one read's worth per message).",
+          "Bytes moved between or within read buffers: a buffer grown under a message being read (it grows "
+          "to each declared payload's end, moving what came before), what a read took past a big message.",
           (double)pb_conns_moved(rpc->conns));
     gauge(p, "pullbackd_workers", "gauge", "Worker threads.", (double)rpc->pool.nthreads);
     gauge(p, "pullbackd_worker_busy_seconds_total", "counter",

@@ -116,6 +116,16 @@ static bool room_enough(const pb_conn_t *c, size_t need)
     return c->cap - c->len >= READ_CHUNK;
 }
 
+/* The bytes not taken yet moved to the buffer's front. */
+static void to_front(pb_conn_t *c)
+{
+    size_t keep = c->len - c->start;
+    memmove(c->buf, c->buf + c->start, keep);
+    c->set->moved += keep;
+    c->len = keep;
+    c->start = 0;
+}
+
 static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
 {
     (void)hint;
@@ -125,34 +135,27 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
     /* A declared payload not all read yet tells how long the message is at
      * least: the buffer grows to that once instead of doubling towards it. */
     size_t need = c->scan.need > c->len - c->start ? c->scan.need : 0;
-    if (!room_enough(c, need) && c->start > 0) {
-        memmove(c->buf, c->buf + c->start, c->len - c->start);
-        c->set->moved += c->len - c->start;
-        c->len -= c->start;
-        c->start = 0;
-    }
+    size_t keep = c->len - c->start; /* the bytes not taken yet */
+    /* Moved to the front only where that makes room enough: else they are
+     * copied once, into the grown buffer (not moved, then copied). */
+    if (!room_enough(c, need) && c->start > 0 &&
+        (need ? need <= c->cap && c->cap > keep : c->cap - keep >= READ_CHUNK))
+        to_front(c);
     if (!room_enough(c, need)) {
         /* The scan refuses a message past the limit before more is read,
          * so the buffer never needs more than one message plus a read. */
         size_t most = c->set->cfg->max_message_bytes + 2 * READ_CHUNK;
         size_t ncap = c->cap ? c->cap * 2 : READ_CHUNK * 2;
-        while (ncap - c->len < READ_CHUNK)
+        while (ncap - keep < READ_CHUNK)
             ncap *= 2;
-        if (need) {
+        /* Exactly the payload and a read: room kept on a guess of what
+         * follows would count against the buffering caps, and could make
+         * another connection starve or be closed for it. */
+        if (need)
             ncap = need + READ_CHUNK; /* need > len: a read's room too */
-            /* What follows the payload is not known yet (more tensors of
-             * the same message, often): room for as much again, so that
-             * they land without the bytes read so far being moved (a
-             * copy of all of them each time: 0.5 ms for 4 MiB here).
-             * Taken only where the caps would allow it twice over: the
-             * room is a guess, and other connections' due comes first. */
-            size_t roomy = 2 * need + READ_CHUNK;
-            if (roomy > need && roomy > c->cap && roomy <= most && pb__conn_may_grow(c, 2 * (roomy - c->cap)))
-                ncap = roomy;
-        }
         /* most can lie below len when a reload lowered the limit under a
          * message being read: the scan refuses it then. */
-        if (ncap > most && most >= c->len + READ_CHUNK)
+        if (ncap > most && most >= keep + READ_CHUNK)
             ncap = most;
         /* Past the buffering caps (glossary: starved) the buffer keeps its
          * size; the first two chunks are every connection's due.  Read
@@ -160,6 +163,10 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
         if (c->cap >= 2 * READ_CHUNK && ncap > c->cap && !pb__conn_may_grow(c, ncap - c->cap)) {
             if (c->cap > c->len)
                 goto room;
+            if (c->start > 0) {
+                to_front(c);
+                goto room;
+            }
             c->want_memory = true;
             c->want_more = ncap - c->cap;
             b->base = NULL;
@@ -169,7 +176,7 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
         /* The message starts where the payload being waited for lands
          * aligned to PB_ALIGN: a tensor inline is then used where it lies
          * (kernels want its elements aligned; else op.c copies it). */
-        size_t shift = need >= BIG_MESSAGE && c->start == 0 ? (PB_ALIGN - c->scan.need_at % PB_ALIGN) % PB_ALIGN : 0;
+        size_t shift = need >= BIG_MESSAGE ? (PB_ALIGN - c->scan.need_at % PB_ALIGN) % PB_ALIGN : 0;
         ncap += shift;
         /* A new block, not realloc: a big one comes from the cache of
          * freed blocks (kernels/mem.h), already paged in. */
@@ -179,13 +186,13 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
             b->len = 0;
             return;
         }
-        if (c->len)
-            memcpy(nb + shift, c->buf, c->len);
-        c->set->moved += c->len;
+        if (keep)
+            memcpy(nb + shift, c->buf + c->start, keep);
+        c->set->moved += keep;
         pb_mem_free(c->buf);
         c->buf = nb;
-        c->start += shift;
-        c->len += shift;
+        c->start = shift;
+        c->len = shift + keep;
         c->cap = ncap;
         pb__conn_account(c);
     }

@@ -117,10 +117,10 @@ typedef struct pb_conns {
     size_t count;
     size_t held;                   /* the connections' held bytes summed */
     size_t nstarved;               /* connections starved now */
-    uint64_t moved;                /* bytes of partly read messages moved to
-                                    * make room (alloc_cb): a read buffer
-                                    * sized from the declared lengths moves
-                                    * none past its first read */
+    uint64_t moved;                /* bytes moved between or within read
+                                    * buffers: a buffer grown under a message
+                                    * being read (alloc_cb), what a read took
+                                    * past a big message (take_message) */
     size_t inflight;               /* requests in flight, closed connections' too */
     uv_idle_t decide;              /* started when the starved must decide again
                                     * (conn_budget.c); closed by pb_conns_destroy */

@@ -103,7 +103,8 @@ class CodecTest(unittest.TestCase):
 
     def test_pack_sends_big_data_in_place(self):
         # A request packs whole in C; each big tensor's data is cut out of
-        # the packed bytes and sent from the array's own memory, in order.
+        # the packed bytes and sent from the array's own memory, in order:
+        # the big tensors last, smallest first (big2, 120 KB, then big1).
         from pullbackd import _pack, _tensors
         big1, big2 = np.arange(20000.0), np.arange(30000, dtype=np.float32).reshape(100, 300)
         small = np.arange(5.0)
@@ -111,8 +112,8 @@ class CodecTest(unittest.TestCase):
                                   "note": "\xc4\x10" + "m" * 16}]]
         parts = _pack(msg)
         self.assertEqual(len(parts), 5)
-        self.assertTrue(np.shares_memory(np.asarray(parts[1]), big1))
-        self.assertTrue(np.shares_memory(np.asarray(parts[3]), big2))
+        self.assertTrue(np.shares_memory(np.asarray(parts[1]), big2))
+        self.assertTrue(np.shares_memory(np.asarray(parts[3]), big1))
         got = msgpack.unpackb(b"".join(bytes(p) for p in parts), raw=False)
         ins = got[3][0]["inputs"]
         self.assertEqual(ins["a"]["data"], big1.tobytes())

@@ -336,5 +336,35 @@ class ConnectionsPerUid(DaemonCase):
             c.close()
 
 
+class TwoSlowMessagesWithinTheCap(DaemonCase):
+    """Two incomplete messages whose sum fits the cap (12 + 36 of 60 MiB)
+    are both read and answered: a read buffer is sized to what its message
+    declares, never more on a guess (room kept after a payload counted
+    against the cap and had the first closed as holding the largest
+    incomplete message)."""
+    DAEMON_ARGS = ["--max-buffered-bytes", "60M", "--max-buffered-bytes-per-uid", "60M",
+                   "--max-message-bytes", "256M"]
+
+    def test_both_served(self):
+        sizes = (12 * MiB, 36 * MiB)
+        socks = []
+        for n, sent in zip(sizes, (8 * MiB, 1 * MiB)):
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(self.path)
+            s.sendall(flood_prefix(n) + b"\0" * sent)
+            socks.append((s, n, sent))
+            time.sleep(0.3)
+        for s, n, sent in socks:
+            self.assertIsNone(read_error(s, 0.5), "a client within the caps was answered early")
+        for s, n, sent in socks:
+            s.sendall(b"\0" * (n - sent))
+        for s, n, sent in socks:
+            reply = read_error(s, 30)
+            self.assertIsNotNone(reply, "no reply")
+            self.assertIsNone(reply[2], reply[2])
+            self.assertEqual(reply[3]["outputs"]["C"]["shape"], [n // 8])
+            s.close()
+
+
 if __name__ == "__main__":
     unittest.main()

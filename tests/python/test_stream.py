@@ -91,37 +91,22 @@ class StreamTest(DaemonCase):
         finally:
             del cache.take
 
-    def test_daemon_moves_no_bytes_of_a_big_message(self):
-        # W (4 MiB) then x (1 MiB) in one message, sent in two parts with a
-        # pause between them, so that the daemon has read all of W before
-        # x's length is declared: x lands in the room left after W (sized
-        # from W's declared length), W is not moved.  What a read buffer
-        # moves is in pullbackd_read_bytes_moved_total: at most the first
-        # read's worth (64 KiB) here, all of W (4 MiB) if it moved.
+    def test_big_tensors_go_last_smallest_first(self):
+        # The daemon grows its read buffer to each payload's declared end as
+        # the payloads come, moving what it has read: the client sends the
+        # big tensors last, smallest first, so that only the smaller ones
+        # are moved (pullbackd_read_bytes_moved_total).  W (4 MiB) first
+        # would move all of W: 4.3 MB here.
         W = self.rng.standard_normal((1024, 512))
         x = self.rng.standard_normal((512, 256))
-        msg = msgpack.packb([0, 1, "forward", [{"op": "fused_dense", "inputs": {
-            "weight": pullbackd.encode_tensor(W), "x": pullbackd.encode_tensor(x)}}]])
-        cut = msg.index(W.tobytes()) + W.nbytes
+        b = self.rng.standard_normal(1024)
+        self.assertEqual(list(pullbackd._tensors({"weight": W, "x": x, "bias": b})), ["bias", "x", "weight"])
+        self.assertEqual(list(pullbackd._tensors({"a": W, "b": W, "c": x})), ["c", "a", "b"])
         before = moved(self.c)
-        with socket.socket(socket.AF_UNIX) as s:
-            s.connect(self.path)
-            s.sendall(msg[:cut])
-            time.sleep(0.3)
-            s.sendall(msg[cut:])
-            s.settimeout(30)
-            u = msgpack.Unpacker(raw=False, max_bin_len=1 << 30)
-            reply = None
-            while reply is None:
-                data = s.recv(1 << 20)
-                self.assertTrue(data, "the daemon closed the connection")
-                u.feed(data)
-                for reply in u:
-                    break
-        self.assertIsNone(reply[2])
-        y = pullbackd.decode_tensor(reply[3]["outputs"]["y"])
-        np.testing.assert_allclose(y, W @ x, rtol=1e-12, atol=1e-10)
-        self.assertLessEqual(moved(self.c) - before, 1 << 17)
+        y = self.c.forward("fused_dense", {"weight": W, "x": x, "bias": b})["y"]
+        np.testing.assert_allclose(y, W @ x + b[:, None], rtol=1e-12, atol=1e-10)
+        # x itself, the first read (128 KiB) and one read past x (64 KiB).
+        self.assertLessEqual(moved(self.c) - before, x.nbytes + 4 * (1 << 16))
 
     def test_daemon_moves_no_bytes_of_pipelined_big_messages(self):
         # Four 2 MiB requests written back to back: a read stops one read's

@@ -277,14 +277,25 @@ class _Big:
 
 
 def _tensors(arrays):
-    out = {}
+    """The wire form of name -> array, big tensors last, smallest first.
+
+    The daemon sizes its read buffer from each payload's declared length as
+    it comes, so it moves what it has read whenever a later payload needs
+    more room: with the biggest tensor last, that is only the smaller ones
+    (fused_dense's x, 1 MiB, not its 4 MiB weight).  A map's order means
+    nothing else to the daemon."""
+    small, big = {}, []
     for name, a in arrays.items():
         t = encode_tensor(a)
         data = t.get("data")
         if isinstance(data, memoryview) and data.nbytes >= _BIG:
             t["data"] = _Big(data)
-        out[name] = t
-    return out
+            big.append((data.nbytes, len(big), name, t))
+        else:
+            small[name] = t
+    for _, _, name, t in sorted(big):
+        small[name] = t
+    return small
 
 
 def _arrays(tensors):
