@@ -199,11 +199,6 @@ static void alloc_cb(uv_handle_t *h, size_t hint, uv_buf_t *b)
 room:
     b->base = c->buf + c->len;
     b->len = c->cap - c->len;
-    /* A read stops one read's worth past the payload waited for: what it
-     * takes of the next message (pipelined) is moved to a buffer of its
-     * own when this one is taken (take_message), so it stays short. */
-    if (need && c->start + need + READ_CHUNK < c->cap)
-        b->len = c->start + need + READ_CHUNK - c->len;
 }
 
 /* The storage of the message at buf[start, start + n): the buffer itself

@@ -290,12 +290,11 @@ def _tensors(arrays):
         data = t.get("data")
         if isinstance(data, memoryview) and data.nbytes >= _BIG:
             t["data"] = _Big(data)
-            big.append((data.nbytes, len(big), name, t))
+            big.append((name, t))
         else:
             small[name] = t
-    for _, _, name, t in sorted(big):
-        small[name] = t
-    return small
+    big.sort(key=lambda e: e[1]["data"].view.nbytes)  # stable: equal sizes keep their order
+    return {**small, **dict(big)}
 
 
 def _arrays(tensors):
