@@ -90,6 +90,64 @@ void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t
     pb_par_for(len, grain < 8 ? 8 : grain, gemm_piece, &g);
 }
 
+typedef void gemv_fn(CBLAS_TRANSPOSE t, int m, int n, pb_scalar_t alpha, const void *a, int lda, const void *x,
+                     int incx, pb_scalar_t beta, void *y, int incy);
+static gemv_fn *const gemvs[PB_NDTYPES] = PB_T_FNS(gemv);
+
+/* A GEMV of at least this many elements of a is split: it reads a once, so
+ * it is bound by memory (about 40 µs for 2^16 f64 here), and a helper that
+ * has just helped spins for the next piece (daemon/pool.c), so each piece
+ * costs a few µs more, not a wake-up. */
+#define PAR_GEMV_ELEMS (1L << 16)
+/* Pieces begin at multiples of this many elements of y.  OpenBLAS 0.3.21's
+ * kernels then give each element bitwise what the whole call gives (checked
+ * over thousands of random shapes, strides and scalars; unit.par's
+ * gemv_split_matches keeps checking), except sgemv's 'N', whose row groups
+ * depend on m: it splits only when m is a multiple of GEMV_ALIGN too. */
+#define GEMV_ALIGN 16
+
+typedef struct gemv_split {
+    gemv_fn *fn;
+    CBLAS_TRANSPOSE t;
+    int m, n, lda, incx, incy, len;
+    pb_scalar_t alpha, beta;
+    const char *a, *x;
+    char *y;
+    size_t es;
+} gemv_split_t;
+
+/* Blocks [lo, hi) of GEMV_ALIGN elements of y: rows of a for 'N', its
+ * columns otherwise. */
+static void gemv_piece(void *ctx, long lo, long hi)
+{
+    const gemv_split_t *g = ctx;
+    int i0 = (int)lo * GEMV_ALIGN, i1 = (int)hi * GEMV_ALIGN < g->len ? (int)hi * GEMV_ALIGN : g->len;
+    char *y = g->y + (size_t)i0 * g->es * (size_t)g->incy;
+    if (g->t == CblasNoTrans)
+        g->fn(g->t, i1 - i0, g->n, g->alpha, g->a + (size_t)i0 * g->es, g->lda, g->x, g->incx, g->beta, y, g->incy);
+    else
+        g->fn(g->t, g->m, i1 - i0, g->alpha, g->a + (size_t)i0 * g->es * (size_t)g->lda, g->lda, g->x, g->incx,
+              g->beta, y, g->incy);
+}
+
+void pb_gemv_cm(pb_dtype_t d, char t, int m, int n, pb_scalar_t alpha, const void *a, int lda, const void *x,
+                int incx, pb_scalar_t beta, void *y, int incy)
+{
+    if ((unsigned)d >= PB_NDTYPES)
+        return;
+    CBLAS_TRANSPOSE ct = (CBLAS_TRANSPOSE)pb_blas_trans(t);
+    int len = ct == CblasNoTrans ? m : n;
+    bool exact = !(d == PB_F32 && ct == CblasNoTrans && m % GEMV_ALIGN != 0);
+    if ((long)m * n < PAR_GEMV_ELEMS || incy <= 0 || !exact) {
+        gemvs[d](ct, m, n, alpha, a, lda, x, incx, beta, y, incy);
+        return;
+    }
+    gemv_split_t g = {gemvs[d], ct, m, n, lda, incx, incy, len, alpha, beta, a, x, y, pb_dtype_size(d)};
+    long blocks = (len + GEMV_ALIGN - 1) / GEMV_ALIGN;
+    long grain = PAR_GEMV_ELEMS / 2 / ((long)(ct == CblasNoTrans ? n : m) * GEMV_ALIGN) + 1;
+    pb_par_for(blocks, grain, gemv_piece, &g);
+}
+
 void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta, pb_mview_t c)
 {
     pb_scalar_t al = {alpha, 0}, be = {beta, 0};

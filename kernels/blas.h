@@ -36,6 +36,13 @@ struct pb_scalar;
 void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, struct pb_scalar alpha, const void *a, int lda,
                 const void *b, int ldb, struct pb_scalar beta, void *c, int ldc);
 
+/* Column-major GEMV: y = alpha·op(a)·x + beta·y, op 'N', 'T' or 'C'.  A
+ * large one splits along y across idle threads (LAPACK's, through
+ * kernels/blas_lapack.c), at boundaries where OpenBLAS's kernels give
+ * bitwise what the whole call gives. */
+void pb_gemv_cm(pb_dtype_t d, char t, int m, int n, struct pb_scalar alpha, const void *a, int lda, const void *x,
+                int incx, struct pb_scalar beta, void *y, int incy);
+
 /* CBLAS's transpose (a CBLAS_TRANSPOSE value) for 'N', 'T' or 'C'; an int
  * so that this header need not pull in cblas.h and its complex.h. */
 int pb_blas_trans(char t);

@@ -2,8 +2,8 @@
  * the worker pool: every piece of [0, n) runs exactly once, idle threads
  * do help, nothing is split without a backend or an idle thread, nested
  * splits finish, and pb_par_for returns only after its helpers left;
- * split GEMMs, fused_dense passes and strided passes give what unsplit
- * ones give. */
+ * split GEMMs, GEMVs, fused_dense passes and strided passes give what
+ * unsplit ones give. */
 #include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -16,6 +16,7 @@
 #include <math.h>
 #include <unistd.h>
 
+#include <cblas.h>
 #include <cmocka.h>
 #include <lapacke.h>
 
@@ -625,6 +626,134 @@ static void lapack_calls_split(void **state)
     free(tau);
 }
 
+/* LAPACK's GEMVs (kernels/blas_lapack.c): split along y, each element
+ * comes out bitwise as the whole call gives it, for every dtype and
+ * transpose, odd shapes, strides (x's negative) and scalars (beta 0
+ * included); sgemv's 'N' splits only where that holds (m a multiple of
+ * 16).  Then the Fortran entry, and LAPACK's own calls: an SVD's values
+ * (gebrd's GEMVs split) as without helpers. */
+void dgemv_(const char *, const int *, const int *, const double *, const double *, const int *, const double *,
+            const int *, const double *, double *, const int *);
+
+/* The references below are OpenBLAS's unsplit calls run as the daemon runs
+ * them, on one thread (its threaded GEMVs sum in another order).  Only
+ * these tests: with one OpenBLAS thread the other tests' helpers get no
+ * turn under valgrind's one-at-a-time scheduling. */
+static int blas_one_thread(void)
+{
+    int n = openblas_get_num_threads();
+    openblas_set_num_threads(1);
+    return n;
+}
+
+static void gemv_split_matches(void **state)
+{
+    (void)state;
+    int threads = blas_one_thread();
+    static const char ops[] = "NTC";
+    int rounds = RUNNING_ON_VALGRIND ? 12 : 400, nsplit = 0;
+    srand(11);
+    for (int r = 0; r < rounds; r++) {
+        pb_dtype_t d = (pb_dtype_t)(PB_F32 + r % 4);
+        bool cplx = d == PB_C64 || d == PB_C128;
+        char t = ops[(r / 4) % (cplx ? 3 : 2)];
+        int m = 64 + rand() % 700, n = 1 + (1 << 16) / m + rand() % 600;
+        if (d == PB_F32 && t == 'N' && (r / 8) % 2 == 0)
+            m -= m % 16; /* half of sgemv's 'N' cases can split */
+        int lda = m + rand() % 5, incx = (int[]){1, 2, -1}[rand() % 3], incy = 1 + 2 * (rand() % 2);
+        int lx = t == 'N' ? n : m, ly = t == 'N' ? m : n;
+        size_t es = pb_dtype_size(d), ss = d == PB_F32 || d == PB_C64 ? 4 : 8, per = cplx ? 2 : 1;
+        size_t na = (size_t)lda * n, nx = (size_t)lx * abs(incx), ny = (size_t)ly * incy;
+        void *a = malloc(na * es), *x = malloc(nx * es), *y1 = malloc(ny * es), *y2 = malloc(ny * es);
+        fill(a, na * per, ss, (unsigned)r);
+        fill(x, nx * per, ss, (unsigned)r + 1000);
+        fill(y1, ny * per, ss, (unsigned)r + 2000);
+        memcpy(y2, y1, ny * es);
+        pb_scalar_t al = {0.75, cplx ? -0.5 : 0}, be = {r % 5 == 0 ? 0 : -1.25, cplx ? 0.25 : 0};
+        pb_par_set_backend(NULL);
+        pb_gemv_cm(d, t, m, n, al, a, lda, x, incx, be, y1, incy);
+        pb_par_set_backend(&fake);
+        while (atomic_load(&idle_threads) < NHELPERS)
+            usleep(100);
+        unsigned long long t0, h0, t1, h1;
+        pb_par_counts(&t0, &h0);
+        pb_gemv_cm(d, t, m, n, al, a, lda, x, incx, be, y2, incy);
+        pb_par_counts(&t1, &h1);
+        pb_par_set_backend(NULL);
+        bool may_split = !(d == PB_F32 && t == 'N' && m % 16 != 0);
+        if (t1 - t0 > (may_split ? 1u : 0u))
+            fail_msg("dtype %d %c %dx%d: %llu splits", d, t, m, n, t1 - t0);
+        nsplit += (int)(t1 - t0);
+        if (memcmp(y1, y2, ny * es) != 0)
+            fail_msg("dtype %d %c %dx%d lda %d incx %d incy %d: split differs", d, t, m, n, lda, incx, incy);
+        free(a);
+        free(x);
+        free(y1);
+        free(y2);
+    }
+    openblas_set_num_threads(threads);
+    print_message("%d of %d GEMVs split\n", nsplit, rounds);
+    assert_true(nsplit >= rounds / 2);
+}
+
+static void lapack_gemv_entry(void **state)
+{
+    (void)state;
+    int threads = blas_one_thread();
+    int m = 500, n = 400, lda = 503, one = 1;
+    double *a = malloc((size_t)lda * n * sizeof *a), *x = malloc((size_t)m * sizeof *x);
+    double y1[400], y2[400], al = 0.5, be = 2;
+    fill(a, (size_t)lda * n, 8, 12);
+    fill(x, (size_t)m, 8, 13);
+    fill(y1, 400, 8, 14);
+    memcpy(y2, y1, sizeof y1);
+    pb_par_set_backend(NULL);
+    pb_gemv_cm(PB_F64, 'T', m, n, (pb_scalar_t){al, 0}, a, lda, x, one, (pb_scalar_t){be, 0}, y1, one);
+    pb_par_set_backend(&fake);
+    while (atomic_load(&idle_threads) < NHELPERS)
+        usleep(100);
+    unsigned long long t0, h0, t1, h1;
+    pb_par_counts(&t0, &h0);
+    dgemv_("t", &m, &n, &al, a, &lda, x, &one, &be, y2, &one);
+    pb_par_counts(&t1, &h1);
+    pb_par_set_backend(NULL);
+    openblas_set_num_threads(threads);
+    assert_int_equal(t1 - t0, 1);
+    assert_memory_equal(y1, y2, sizeof y1);
+    free(a);
+    free(x);
+}
+
+static void lapack_svd_gemvs_split(void **state)
+{
+    (void)state;
+    int n = RUNNING_ON_VALGRIND ? 300 : 600, threads = blas_one_thread();
+    size_t bytes = (size_t)n * n * sizeof(double);
+    double *a1 = malloc(bytes), *a2 = malloc(bytes), *s1 = malloc((size_t)n * sizeof *s1),
+           *s2 = malloc((size_t)n * sizeof *s2);
+    fill(a1, (size_t)n * n, 8, 15);
+    memcpy(a2, a1, bytes);
+    assert_int_equal(LAPACKE_dgesdd(LAPACK_COL_MAJOR, 'N', n, n, a1, n, s1, NULL, 1, NULL, 1), 0);
+    pb_par_set_backend(&fake);
+    while (atomic_load(&idle_threads) < NHELPERS)
+        usleep(100);
+    unsigned long long t0, h0, t1, h1;
+    pb_par_counts(&t0, &h0);
+    assert_int_equal(LAPACKE_dgesdd(LAPACK_COL_MAJOR, 'N', n, n, a2, n, s2, NULL, 1, NULL, 1), 0);
+    pb_par_counts(&t1, &h1);
+    pb_par_set_backend(NULL);
+    openblas_set_num_threads(threads);
+    print_message("gesdd values %d²: %llu GEMMs and GEMVs split\n", n, t1 - t0);
+    /* Two GEMVs a column split while the trailing matrix holds 64 Ki elements. */
+    assert_true(t1 - t0 > (unsigned long long)(n - 256));
+    /* Not bitwise: gebrd's split GEMMs round as pb_gemm_cm's do (above). */
+    assert_true(max_rel_diff(s2, s1, (size_t)n, 8) < 1e-13);
+    free(a1);
+    free(a2);
+    free(s1);
+    free(s2);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -634,7 +763,8 @@ int main(void)
         cmocka_unit_test(gemm_split_matches), cmocka_unit_test(gemm_views),
         cmocka_unit_test(fused_dense_split_matches), cmocka_unit_test(strided_split_matches),
         cmocka_unit_test(strided_reduction_not_split), cmocka_unit_test(lapack_gemm_entry),
-        cmocka_unit_test(lapack_calls_split),
+        cmocka_unit_test(lapack_calls_split), cmocka_unit_test(gemv_split_matches),
+        cmocka_unit_test(lapack_gemv_entry), cmocka_unit_test(lapack_svd_gemvs_split),
     };
     return cmocka_run_group_tests_name("unit.par", tests, setup, teardown);
 }

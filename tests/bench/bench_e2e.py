@@ -13,7 +13,8 @@ would do instead, measured in the same run (issue 15's figures).
                 trip plus that copy; also against one way's copy alone, and
                 against the same bytes through a bare socketpair (the
                 floor of any socket transport here) plus the shm trip.
-  alone/two     svd_vals of a 1024² f64 matrix (LAPACK, half of it GEMV),
+  alone/two     svd_vals of a 1024² f64 matrix (LAPACK, half of it GEMV:
+                its GEMVs split too, kernels/blas_lapack.c),
                 qr_compact of the same (LAPACK, mostly GEMM), and a 1024³ f64
                 tensorcontract (GEMM-bound), alone ÷ two at once on two
                 connections.
@@ -258,7 +259,7 @@ def main():
         with pullbackd.Client(path) as c:
             bench_fused_dense(c)
             bench_transpose(c)
-        bench_alone_two(path, "svd_vals")      # LAPACK, half GEMV: one core
+        bench_alone_two(path, "svd_vals")      # LAPACK, half GEMV: split GEMVs
         bench_alone_two(path, "qr_compact")    # LAPACK, its GEMMs split (kernels/blas_lapack.c)
         bench_alone_two(path, "tensorcontract")  # GEMM-bound: idle workers help
     finally:
