@@ -501,8 +501,9 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
 }
 
-/* Writes.  write_now allocates a wreq per uv_write and on_write frees it;
- * it owns the reply bytes it writes (moved out of the caller's pb_out_t or
+/* Writes.  write_now writes what it can inline when nothing is queued,
+ * and allocates a wreq per uv_write for the rest, which on_write frees;
+ * the wreq owns the reply bytes it writes (moved out of the caller's pb_out_t or
  * the connection's batch) and holds a reference on the connection. */
 typedef struct wreq {
     uv_write_t w;
@@ -561,6 +562,33 @@ static void write_now(pb_conn_t *c, pb_out_t *o, msgpack_sbuffer *flat)
         r->bufs[0] = uv_buf_init(r->flat.data, (unsigned)r->flat.size);
         r->bytes = r->flat.size;
         n = 1;
+    }
+    if (o && c->pending_write == 0) {
+        /* Nothing queued, so order is kept: the socket takes what it can
+         * now and only the rest is queued.  A big reply that fits the
+         * socket's buffer then costs one writev, not also the wreq's
+         * callback and the epoll_ctl of libuv's uv__drain() (flush). */
+        int w = uv_try_write((uv_stream_t *)&c->pipe, r->bufs, (unsigned)n);
+        if (w > 0) {
+            size_t done = (size_t)w;
+            int k = 0;
+            while (k < n && done >= r->bufs[k].len)
+                done -= r->bufs[k++].len;
+            if (k < n) {
+                r->bufs[k].base += done;
+                r->bufs[k].len -= done;
+            }
+            memmove(r->bufs, r->bufs + k, (size_t)(n - k) * sizeof *r->bufs);
+            n -= k;
+            r->bytes -= (size_t)w;
+        }
+        if (n == 0) {
+            pb_out_free(&r->out);
+            msgpack_sbuffer_destroy(&r->flat);
+            free(r);
+            pb__conn_account(c);
+            return;
+        }
     }
     r->c = c;
     r->w.data = r;

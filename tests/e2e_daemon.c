@@ -97,6 +97,18 @@ static void pack_inputs(msgpack_packer *pk, const fd_t *f)
     }
 }
 
+/* "op": fused_dense and "inputs": {weight, x}: two of a request's keys. */
+static void pack_wx(msgpack_packer *pk, const pb_ctensor_t *w, const pb_ctensor_t *x)
+{
+    pb_pack_kv_str(pk, "op", "fused_dense");
+    pb_pack_str(pk, "inputs");
+    msgpack_pack_map(pk, 2);
+    pb_pack_str(pk, "weight");
+    pb_pack_tensor(pk, w);
+    pb_pack_str(pk, "x");
+    pb_pack_tensor(pk, x);
+}
+
 /* forward or augmented_forward of f; wrt is a NULL-terminated list. */
 static uint32_t send_fd(pb_client_t *c, const fd_t *f, const char *const *wrt, const char *extra_key,
                         const char *extra_val)
@@ -936,14 +948,8 @@ static void sigterm_drain(void **state)
     for (int k = 0; k < 4; k++) {
         msgpack_packer *pk = pb_client_begin(c, "forward");
         msgpack_pack_map(pk, 2);
-        pb_pack_kv_str(pk, "op", "fused_dense");
-        pb_pack_str(pk, "inputs");
-        msgpack_pack_map(pk, 2);
         pb_ctensor_t t = {.dtype = "f64", .rank = 2, .shape = {256, 256}, .data = big, .nbytes = sizeof big};
-        pb_pack_str(pk, "weight");
-        pb_pack_tensor(pk, &t);
-        pb_pack_str(pk, "x");
-        pb_pack_tensor(pk, &t);
+        pack_wx(pk, &t, &t);
         assert_int_equal(pb_client_send(c, &ids[k]), 0);
     }
     kill(d->pid, SIGTERM);
@@ -1020,19 +1026,14 @@ static void sigterm_pipelined(void **state)
         bool slow = i >= BEFORE - SLOW && i < BEFORE;
         msgpack_packer *pk = pb_client_begin(c, slow ? "check" : "forward");
         msgpack_pack_map(pk, slow ? 4 : 3);
-        pb_pack_kv_str(pk, "op", "fused_dense");
         if (slow) {
-            pb_pack_str(pk, "inputs");
-            msgpack_pack_map(pk, 2);
-            pb_pack_str(pk, "weight");
-            pb_pack_tensor(pk, &w1);
-            pb_pack_str(pk, "x");
-            pb_pack_tensor(pk, &x1);
+            pack_wx(pk, &w1, &x1);
             pb_pack_str(pk, "wrt");
             msgpack_pack_array(pk, 2);
             pb_pack_str(pk, "weight");
             pb_pack_str(pk, "x");
         } else {
+            pb_pack_kv_str(pk, "op", "fused_dense");
             pack_inputs(pk, &f);
         }
         pb_pack_str(pk, "options");
@@ -1109,13 +1110,7 @@ static void sigterm_client_not_reading(void **state)
     pb_pack_str(&pk, "forward");
     msgpack_pack_array(&pk, 1);
     msgpack_pack_map(&pk, 2);
-    pb_pack_kv_str(&pk, "op", "fused_dense");
-    pb_pack_str(&pk, "inputs");
-    msgpack_pack_map(&pk, 2);
-    pb_pack_str(&pk, "weight");
-    pb_pack_tensor(&pk, &w);
-    pb_pack_str(&pk, "x");
-    pb_pack_tensor(&pk, &x);
+    pack_wx(&pk, &w, &x);
 
     int fd = socket(AF_UNIX, SOCK_STREAM, 0);
     struct sockaddr_un a = {.sun_family = AF_UNIX};
@@ -1393,6 +1388,85 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* Big replies written as far as the socket takes them, the rest queued:
+ * with the client not reading yet, the first 8 MiB reply overflows the
+ * socket mid-tensor, and the small and big replies after it queue behind
+ * it.  Read later, every reply arrives whole, as queued, bit for bit; so do
+ * big replies that fit the socket at once (512 KiB, past the 256 KiB of
+ * a batched reply). */
+static uint32_t send_outer(pb_client_t *c, const double *w, const double *x, size_t n)
+{
+    pb_ctensor_t tw = {.dtype = "f64", .rank = 2, .shape = {n, 1}, .data = w, .nbytes = n * sizeof *w};
+    pb_ctensor_t tx = {.dtype = "f64", .rank = 2, .shape = {1, n}, .data = x, .nbytes = n * sizeof *x};
+    msgpack_packer *pk = pb_client_begin(c, "forward");
+    msgpack_pack_map(pk, 3);
+    pack_wx(pk, &tw, &tx);
+    pb_pack_str(pk, "options");
+    msgpack_pack_map(pk, 1);
+    pb_pack_kv_str(pk, "act", "identity");
+    uint32_t id;
+    assert_int_equal(pb_client_send(c, &id), 0);
+    return id;
+}
+
+static void check_outer(const pb_reply_t *r, const double *w, const double *x, size_t n)
+{
+    assert_null(r->error);
+    pb_ctensor_t t;
+    assert_int_equal(pb_obj_tensor(pb_obj_path(r->result, "outputs.y"), &t), 0);
+    assert_int_equal(t.nbytes, n * n * sizeof(double));
+    const unsigned char *p = t.data;
+    for (size_t i = 0; i < n; i++)
+        for (size_t j = 0; j < n; j++) {
+            size_t at = t.order == 'F' ? j * n + i : i * n + j;
+            double v, ref = w[i] * x[j]; /* exact: small multiples of 1/8 */
+            memcpy(&v, p + at * sizeof v, sizeof v);
+            if (v != ref)
+                fail_msg("y[%zu][%zu] = %.17g, expected %.17g", i, j, v, ref);
+        }
+}
+
+static void big_replies_in_order(void **state)
+{
+    (void)state;
+    daemon_t *d = &solo;
+    assert_int_equal(start(d, NULL), 0);
+    pb_client_t *c = conn(d);
+    enum { N = 1024, M = 256, K = 6 };
+    static double w[2][N], x[2][N];
+    for (int s = 0; s < 2; s++)
+        for (int i = 0; i < N; i++) {
+            w[s][i] = 0.25 * ((i * 7 + s) % 37) - 4;
+            x[s][i] = 0.5 * ((i * 3 + s * 5) % 41) - 10;
+        }
+    size_t sizes[K] = {N, 0, M, N, 0, M};
+    uint32_t ids[K];
+    for (int k = 0; k < K; k++) {
+        if (sizes[k]) {
+            ids[k] = send_outer(c, w[k % 2], x[k % 2], sizes[k]);
+        } else {
+            msgpack_packer *pk = pb_client_begin(c, "hello");
+            msgpack_pack_map(pk, 0);
+            assert_int_equal(pb_client_send(c, &ids[k]), 0);
+        }
+        /* Replies may come in any order (by msgid); time to be answered
+         * before the next is sent makes the order that of the queue. */
+        usleep(50 * 1000);
+    }
+    for (int k = 0; k < K; k++) {
+        pb_reply_t r;
+        assert_int_equal(pb_client_recv(c, &r), 0);
+        assert_int_equal(r.msgid, ids[k]);
+        if (sizes[k])
+            check_outer(&r, w[k % 2], x[k % 2], sizes[k]);
+        else
+            assert_null(r.error);
+        pb_reply_free(&r);
+    }
+    pb_client_close(c);
+    assert_int_equal(daemon_stop(d), 0);
+}
+
 /* A slow request on one connection does not stall another connection,
  * nor later small requests on its own connection. */
 static void slow_request_isolated(void **state)
@@ -1406,14 +1480,8 @@ static void slow_request_isolated(void **state)
         big[i] = (i % 11) * 0.01;
     msgpack_packer *pk = pb_client_begin(a, "forward");
     msgpack_pack_map(pk, 2);
-    pb_pack_kv_str(pk, "op", "fused_dense");
-    pb_pack_str(pk, "inputs");
-    msgpack_pack_map(pk, 2);
     pb_ctensor_t t = {.dtype = "f64", .rank = 2, .shape = {S, S}, .data = big, .nbytes = sizeof(double) * S * S};
-    pb_pack_str(pk, "weight");
-    pb_pack_tensor(pk, &t);
-    pb_pack_str(pk, "x");
-    pb_pack_tensor(pk, &t);
+    pack_wx(pk, &t, &t);
     uint32_t slow;
     double t0 = now_s();
     assert_int_equal(pb_client_send(a, &slow), 0);
@@ -1492,6 +1560,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(sigterm_dropped_notification, stop_solo),
         cmocka_unit_test_teardown(shutdown_then_notification, stop_solo),
         cmocka_unit_test_teardown(drain_method, stop_solo),
+        cmocka_unit_test(big_replies_in_order),
         cmocka_unit_test(slow_request_isolated),
     };
     return cmocka_run_group_tests_name("e2e.daemon", tests, setup, teardown);
