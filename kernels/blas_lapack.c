@@ -18,7 +18,10 @@
  * call's result (blas.c says which).  That is half of gebrd's work (the
  * SVD's bidiagonal reduction) and much of gehrd's.  Through the socket, a
  * 1024² f64 svd_vals alone takes 203-210 ms instead of 238-265, 0.75-0.77
- * of two at once instead of 0.87-0.96 (bench_e2e); two at once as before.
+ * of two at once instead of 0.87-0.96 (bench_e2e, Zen kernels), or 127-130
+ * ms instead of 165-167, 0.67-0.69 instead of 0.90-0.92 (Haswell kernels);
+ * two at once as before.  Bound by memory: with the host's memory busy,
+ * 0.85-0.89 with the split and without.
  * symv (sytrd, the eigh reduction) is left whole: a split of its one
  * stored triangle would not add up as the whole call does.
  *
