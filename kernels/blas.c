@@ -100,10 +100,13 @@ static gemv_fn *const gemvs[PB_NDTYPES] = PB_T_FNS(gemv);
  * costs a few µs more, not a wake-up. */
 #define PAR_GEMV_ELEMS (1L << 16)
 /* Pieces begin at multiples of this many elements of y.  OpenBLAS 0.3.21's
- * kernels then give each element bitwise what the whole call gives (checked
- * over thousands of random shapes, strides and scalars; unit.par's
- * gemv_split_matches keeps checking), except sgemv's 'N', whose row groups
- * depend on m: it splits only when m is a multiple of GEMV_ALIGN too. */
+ * double and complex kernels then give each element bitwise what the whole
+ * call gives, on each core type checked (OPENBLAS_CORETYPE Haswell,
+ * SkylakeX, Cooperlake, Zen, Sandybridge, Nehalem, Prescott; thousands of
+ * random shapes, strides and scalars, and the edge shapes of unit.par's
+ * gemv_edges, which with gemv_split_matches keeps checking).  sgemv does not: its SkylakeX kernels group rows by the
+ * whole call's n for 'N' and columns by m for 'T', so f32 GEMVs never
+ * split. */
 #define GEMV_ALIGN 16
 
 typedef struct gemv_split {
@@ -121,12 +124,13 @@ typedef struct gemv_split {
 static void gemv_piece(void *ctx, long lo, long hi)
 {
     const gemv_split_t *g = ctx;
-    int i0 = (int)lo * GEMV_ALIGN, i1 = (int)hi * GEMV_ALIGN < g->len ? (int)hi * GEMV_ALIGN : g->len;
+    long i0 = lo * GEMV_ALIGN, i1 = hi * GEMV_ALIGN < g->len ? hi * GEMV_ALIGN : g->len;
     char *y = g->y + (size_t)i0 * g->es * (size_t)g->incy;
+    int rows = (int)(i1 - i0);
     if (g->t == CblasNoTrans)
-        g->fn(g->t, i1 - i0, g->n, g->alpha, g->a + (size_t)i0 * g->es, g->lda, g->x, g->incx, g->beta, y, g->incy);
+        g->fn(g->t, rows, g->n, g->alpha, g->a + (size_t)i0 * g->es, g->lda, g->x, g->incx, g->beta, y, g->incy);
     else
-        g->fn(g->t, g->m, i1 - i0, g->alpha, g->a + (size_t)i0 * g->es * (size_t)g->lda, g->lda, g->x, g->incx,
+        g->fn(g->t, g->m, rows, g->alpha, g->a + (size_t)i0 * g->es * (size_t)g->lda, g->lda, g->x, g->incx,
               g->beta, y, g->incy);
 }
 
@@ -137,8 +141,8 @@ void pb_gemv_cm(pb_dtype_t d, char t, int m, int n, pb_scalar_t alpha, const voi
         return;
     CBLAS_TRANSPOSE ct = (CBLAS_TRANSPOSE)pb_blas_trans(t);
     int len = ct == CblasNoTrans ? m : n;
-    bool exact = !(d == PB_F32 && ct == CblasNoTrans && m % GEMV_ALIGN != 0);
-    if ((long)m * n < PAR_GEMV_ELEMS || incy <= 0 || !exact) {
+    /* Invalid sizes go to OpenBLAS whole, for its own error. */
+    if (d == PB_F32 || m <= 0 || n <= 0 || lda < m || incx == 0 || incy <= 0 || (long)m * n < PAR_GEMV_ELEMS) {
         gemvs[d](ct, m, n, alpha, a, lda, x, incx, beta, y, incy);
         return;
     }

@@ -13,9 +13,9 @@
  * itself (time with ÷ without, two runs): geqrf 0.73, gesdd with vectors
  * 0.90-0.93, syevd 0.83-0.85, geev 0.99, gesdd values only 0.99.
  *
- * Each ?gemv_ is pb_gemv_cm: a GEMV of 64 Ki elements or more splits
- * along y at boundaries where OpenBLAS's kernels give bitwise the whole
- * call's result (blas.c says which).  That is half of gebrd's work (the
+ * Each ?gemv_ is pb_gemv_cm: a double or complex GEMV of 64 Ki elements
+ * or more splits along y at boundaries where OpenBLAS's kernels give
+ * bitwise the whole call's result (blas.c says which; sgemv stays whole).  That is half of gebrd's work (the
  * SVD's bidiagonal reduction) and much of gehrd's.  Through the socket, a
  * 1024² f64 svd_vals alone takes 203-210 ms instead of 238-265, 0.75-0.77
  * of two at once instead of 0.87-0.96 (bench_e2e, Zen kernels), or 127-130
