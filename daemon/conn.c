@@ -501,10 +501,11 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
 }
 
-/* Writes.  write_now writes what it can inline when nothing is queued,
- * and allocates a wreq per uv_write for the rest, which on_write frees;
- * the wreq owns the reply bytes it writes (moved out of the caller's pb_out_t or
- * the connection's batch) and holds a reference on the connection. */
+/* Writes.  What the socket takes at once goes inline (write_inline); for
+ * the rest write_now allocates a wreq per uv_write, which on_write frees.
+ * The wreq owns the reply bytes it writes (moved out of the caller's
+ * pb_out_t or the connection's batch) and holds a reference on the
+ * connection. */
 typedef struct wreq {
     uv_write_t w;
     pb_conn_t *c;
@@ -514,14 +515,43 @@ typedef struct wreq {
     uv_buf_t bufs[2 * PB_OUT_MAXSEG + 1];
 } wreq_t;
 
+static void wreq_free(wreq_t *r)
+{
+    pb_out_free(&r->out);
+    msgpack_sbuffer_destroy(&r->flat);
+    free(r);
+}
+
+/* With nothing queued, so that order is kept, hands the socket what it
+ * takes now: that saves a uv_write_t, its callback and the epoll_ctl that
+ * libuv's uv__drain() issues after each completed queued write.  Advances
+ * bufs and *n past what went; returns its bytes. */
+static size_t write_inline(pb_conn_t *c, uv_buf_t *bufs, int *n)
+{
+    if (c->pending_write != 0)
+        return 0;
+    int w = uv_try_write((uv_stream_t *)&c->pipe, bufs, (unsigned)*n);
+    if (w <= 0)
+        return 0;
+    size_t done = (size_t)w;
+    int k = 0;
+    while (k < *n && done >= bufs[k].len)
+        done -= bufs[k++].len;
+    if (k < *n) {
+        bufs[k].base += done;
+        bufs[k].len -= done;
+    }
+    memmove(bufs, bufs + k, (size_t)(*n - k) * sizeof *bufs);
+    *n -= k;
+    return (size_t)w;
+}
+
 static void on_write(uv_write_t *w, int status)
 {
     wreq_t *r = w->data;
     pb_conn_t *c = r->c;
     c->pending_write -= r->bytes;
-    pb_out_free(&r->out);
-    msgpack_sbuffer_destroy(&r->flat);
-    free(r);
+    wreq_free(r);
     pb__conn_account(c);
     if (status < 0 && !c->closing)
         pb_conn_close(c);
@@ -563,29 +593,11 @@ static void write_now(pb_conn_t *c, pb_out_t *o, msgpack_sbuffer *flat)
         r->bytes = r->flat.size;
         n = 1;
     }
-    if (o && c->pending_write == 0) {
-        /* Nothing queued, so order is kept: the socket takes what it can
-         * now and only the rest is queued.  A big reply that fits the
-         * socket's buffer then costs one writev, not also the wreq's
-         * callback and the epoll_ctl of libuv's uv__drain() (flush). */
-        int w = uv_try_write((uv_stream_t *)&c->pipe, r->bufs, (unsigned)n);
-        if (w > 0) {
-            size_t done = (size_t)w;
-            int k = 0;
-            while (k < n && done >= r->bufs[k].len)
-                done -= r->bufs[k++].len;
-            if (k < n) {
-                r->bufs[k].base += done;
-                r->bufs[k].len -= done;
-            }
-            memmove(r->bufs, r->bufs + k, (size_t)(n - k) * sizeof *r->bufs);
-            n -= k;
-            r->bytes -= (size_t)w;
-        }
+    /* A batch (flat) was offered to the socket by flush already. */
+    if (o) {
+        r->bytes -= write_inline(c, r->bufs, &n);
         if (n == 0) {
-            pb_out_free(&r->out);
-            msgpack_sbuffer_destroy(&r->flat);
-            free(r);
+            wreq_free(r);
             pb__conn_account(c);
             return;
         }
@@ -598,9 +610,7 @@ static void write_now(pb_conn_t *c, pb_out_t *o, msgpack_sbuffer *flat)
     int rc = uv_write(&r->w, (uv_stream_t *)&c->pipe, r->bufs, (unsigned)n, on_write);
     if (rc) {
         c->pending_write -= r->bytes;
-        pb_out_free(&r->out);
-        msgpack_sbuffer_destroy(&r->flat);
-        free(r);
+        wreq_free(r);
         pb_conn_unref(c);
         pb_conn_close(c);
     }
@@ -610,21 +620,17 @@ static void flush(pb_conn_t *c)
 {
     if (!c->obuf.size || c->closing)
         return;
-    if (c->pending_write == 0) {
-        /* Nothing queued, so order is kept.  Writing inline saves the
-         * uv_write_t, its callback, and the epoll_ctl that libuv's
-         * uv__drain() issues after every completed queued write. */
-        uv_buf_t b = uv_buf_init(c->obuf.data, (unsigned)c->obuf.size);
-        int n = uv_try_write((uv_stream_t *)&c->pipe, &b, 1);
-        if (n == (int)c->obuf.size) {
-            c->obuf.size = 0;
-            pb__conn_account(c);
-            return;
-        }
-        if (n > 0) {
-            memmove(c->obuf.data, c->obuf.data + n, c->obuf.size - (size_t)n);
-            c->obuf.size -= (size_t)n;
-        }
+    uv_buf_t b = uv_buf_init(c->obuf.data, (unsigned)c->obuf.size);
+    int n = 1;
+    size_t done = write_inline(c, &b, &n);
+    if (n == 0) {
+        c->obuf.size = 0;
+        pb__conn_account(c);
+        return;
+    }
+    if (done > 0) {
+        memmove(c->obuf.data, c->obuf.data + done, c->obuf.size - done);
+        c->obuf.size -= done;
     }
     write_now(c, NULL, &c->obuf);
 }
