@@ -104,9 +104,9 @@ static gemv_fn *const gemvs[PB_NDTYPES] = PB_T_FNS(gemv);
  * call gives, on each core type checked (OPENBLAS_CORETYPE Haswell,
  * SkylakeX, Cooperlake, Zen, Sandybridge, Nehalem, Prescott; thousands of
  * random shapes, strides and scalars, and the edge shapes of unit.par's
- * gemv_edges, which with gemv_split_matches keeps checking).  sgemv does not: its SkylakeX kernels group rows by the
- * whole call's n for 'N' and columns by m for 'T', so f32 GEMVs never
- * split. */
+ * gemv_edges, which with gemv_split_matches keeps checking).  sgemv does
+ * not: its SkylakeX kernels group rows by the whole call's n for 'N' and
+ * columns by m for 'T', so f32 GEMVs never split. */
 #define GEMV_ALIGN 16
 
 typedef struct gemv_split {

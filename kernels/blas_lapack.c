@@ -15,8 +15,9 @@
  *
  * Each ?gemv_ is pb_gemv_cm: a double or complex GEMV of 64 Ki elements
  * or more splits along y at boundaries where OpenBLAS's kernels give
- * bitwise the whole call's result (blas.c says which; sgemv stays whole).  That is half of gebrd's work (the
- * SVD's bidiagonal reduction) and much of gehrd's.  Through the socket, a
+ * bitwise the whole call's result (blas.c says which; sgemv stays whole).
+ * That is half of gebrd's work (the SVD's bidiagonal reduction) and much
+ * of gehrd's.  Through the socket, a
  * 1024² f64 svd_vals alone takes 203-210 ms instead of 238-265, 0.75-0.77
  * of two at once instead of 0.87-0.96 (bench_e2e, Zen kernels), or 127-130
  * ms instead of 165-167, 0.67-0.69 instead of 0.90-0.92 (Haswell kernels);

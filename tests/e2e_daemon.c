@@ -109,6 +109,28 @@ static void pack_wx(msgpack_packer *pk, const pb_ctensor_t *w, const pb_ctensor_
     pb_pack_tensor(pk, x);
 }
 
+static uint32_t send_hello(pb_client_t *c)
+{
+    msgpack_packer *pk = pb_client_begin(c, "hello");
+    msgpack_pack_map(pk, 0);
+    uint32_t id;
+    assert_int_equal(pb_client_send(c, &id), 0);
+    return id;
+}
+
+/* The index in ids[n] of the request a reply answers, marked in seen;
+ * fails on a msgid unknown or answered twice. */
+static int claim_reply(const uint32_t *ids, bool *seen, int n, uint32_t msgid)
+{
+    int i = 0;
+    while (i < n && ids[i] != msgid)
+        i++;
+    if (i == n || seen[i])
+        fail_msg("msgid %u unknown or answered twice", msgid);
+    seen[i] = true;
+    return i;
+}
+
 /* forward or augmented_forward of f; wrt is a NULL-terminated list. */
 static uint32_t send_fd(pb_client_t *c, const fd_t *f, const char *const *wrt, const char *extra_key,
                         const char *extra_val)
@@ -570,9 +592,7 @@ static void errors(void **state)
     assert_int_equal(pb_client_send_raw(c, long_note, sizeof long_note), 0);
     assert_int_equal(pb_client_send_raw(c, bare_note, sizeof bare_note), 0);
     assert_int_equal(pb_client_send_raw(c, bad_params_note, sizeof bad_params_note), 0);
-    pk = pb_client_begin(c, "hello");
-    msgpack_pack_map(pk, 0);
-    assert_int_equal(pb_client_send(c, &id), 0);
+    id = send_hello(c);
     assert_int_equal(pb_client_recv_timeout(c, &r, 5000), 0);
     assert_int_equal(r.msgid, id);
     assert_null(r.error);
@@ -643,13 +663,10 @@ static void pipelined_1000(void **state)
     const char *const wrt[] = {"bias", NULL};
     for (int i = 0; i < N; i++) {
         kind[i] = i % 3;
-        if (kind[i] == 0) {
-            msgpack_packer *pk = pb_client_begin(c, "hello");
-            msgpack_pack_map(pk, 0);
-            assert_int_equal(pb_client_send(c, &ids[i]), 0);
-        } else {
+        if (kind[i] == 0)
+            ids[i] = send_hello(c);
+        else
             ids[i] = send_fd(c, &f, kind[i] == 2 ? wrt : NULL, kind[i] == 2 ? "scope" : NULL, "connection");
-        }
     }
     static bool seen[N];
     memset(seen, 0, sizeof seen);
@@ -660,13 +677,7 @@ static void pipelined_1000(void **state)
     for (int n = 0; n < N; n++) {
         pb_reply_t r;
         assert_int_equal(pb_client_recv(c, &r), 0);
-        int i = -1;
-        for (int k = 0; k < N; k++)
-            if (ids[k] == r.msgid)
-                i = k;
-        assert_true(i >= 0);
-        assert_false(seen[i]);
-        seen[i] = true;
+        int i = claim_reply(ids, seen, N, r.msgid);
         assert_null(r.error);
         if (kind[i] == 0)
             assert_non_null(pb_obj_get(r.result, "protocol"));
@@ -747,17 +758,11 @@ static void bad_message_isolated(void **state)
     (void)state;
     pb_client_t *a = conn(&main_daemon), *b = conn(&main_daemon);
     uint32_t ids[20];
-    for (int i = 0; i < 10; i++) {
-        msgpack_packer *pk = pb_client_begin(b, "hello");
-        msgpack_pack_map(pk, 0);
-        assert_int_equal(pb_client_send(b, &ids[i]), 0);
-    }
+    for (int i = 0; i < 10; i++)
+        ids[i] = send_hello(b);
     assert_int_equal(pb_client_send_raw(a, "\xc1\xc1\xc1", 3), 0);
-    for (int i = 10; i < 20; i++) {
-        msgpack_packer *pk = pb_client_begin(b, "hello");
-        msgpack_pack_map(pk, 0);
-        assert_int_equal(pb_client_send(b, &ids[i]), 0);
-    }
+    for (int i = 10; i < 20; i++)
+        ids[i] = send_hello(b);
     for (int i = 0; i < 20; i++) {
         pb_reply_t r;
         assert_int_equal(pb_client_wait(b, ids[i], &r), 0);
@@ -1388,12 +1393,6 @@ static double now_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* Big replies written as far as the socket takes them, the rest queued:
- * with the client not reading yet, the first 8 MiB reply overflows the
- * socket mid-tensor, and the small and big replies after it queue behind
- * it.  Read later, every reply arrives whole and bit for bit; so do
- * big replies that fit the socket at once (512 KiB, past the 256 KiB of
- * a batched reply). */
 static uint32_t send_outer(pb_client_t *c, const double *w, const double *x, size_t n)
 {
     pb_ctensor_t tw = {.dtype = "f64", .rank = 2, .shape = {n, 1}, .data = w, .nbytes = n * sizeof *w};
@@ -1426,6 +1425,12 @@ static void check_outer(const pb_reply_t *r, const double *w, const double *x, s
         }
 }
 
+/* Big replies written as far as the socket takes them, the rest queued:
+ * with the client not reading yet, the first 8 MiB reply overflows the
+ * socket mid-tensor, and the small and big replies after it queue behind
+ * it.  Read later, every reply arrives whole and bit for bit; so do
+ * big replies that fit the socket at once (512 KiB, past the 256 KiB of
+ * a batched reply). */
 static void big_replies_whole(void **state)
 {
     (void)state;
@@ -1442,13 +1447,7 @@ static void big_replies_whole(void **state)
     size_t sizes[K] = {N, 0, M, N, 0, M};
     uint32_t ids[K];
     for (int k = 0; k < K; k++) {
-        if (sizes[k]) {
-            ids[k] = send_outer(c, w[k % 2], x[k % 2], sizes[k]);
-        } else {
-            msgpack_packer *pk = pb_client_begin(c, "hello");
-            msgpack_pack_map(pk, 0);
-            assert_int_equal(pb_client_send(c, &ids[k]), 0);
-        }
+        ids[k] = sizes[k] ? send_outer(c, w[k % 2], x[k % 2], sizes[k]) : send_hello(c);
         /* Time to be answered before the next is sent, so that the
          * replies usually queue in this order behind the first 8 MiB,
          * which the socket cannot take at once as nobody reads yet. */
@@ -1461,12 +1460,7 @@ static void big_replies_whole(void **state)
         assert_int_equal(pb_client_recv(c, &r[k]), 0);
     bool seen[K] = {false};
     for (int k = 0; k < K; k++) {
-        int j = 0;
-        while (j < K && ids[j] != r[k].msgid)
-            j++;
-        if (j == K || seen[j])
-            fail_msg("reply %d: msgid %u unknown or seen twice", k, r[k].msgid);
-        seen[j] = true;
+        int j = claim_reply(ids, seen, K, r[k].msgid);
         if (sizes[j])
             check_outer(&r[k], w[j % 2], x[j % 2], sizes[j]);
         else
@@ -1571,7 +1565,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(sigterm_dropped_notification, stop_solo),
         cmocka_unit_test_teardown(shutdown_then_notification, stop_solo),
         cmocka_unit_test_teardown(drain_method, stop_solo),
-        cmocka_unit_test(big_replies_whole),
+        cmocka_unit_test_teardown(big_replies_whole, stop_solo),
         cmocka_unit_test(slow_request_isolated),
     };
     return cmocka_run_group_tests_name("e2e.daemon", tests, setup, teardown);
