@@ -182,7 +182,7 @@ int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n)
     while (p->started < p->nthreads)
         pthread_cond_wait(&p->cond, &p->lock);
     pthread_mutex_unlock(&p->lock);
-    pb_par_set_backend(&(pb_par_backend_t){par_idle, par_wake, p});
+    pb_par_set_backend(&(pb_par_backend_t){par_idle, par_wake, p, p->nthreads});
     return 0;
 
 fail:

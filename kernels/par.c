@@ -7,8 +7,7 @@
 typedef struct task {
     pb_par_fn fn;
     void *ctx;
-    long n, chunk;       /* [0, n) in chunks of `chunk` */
-    long nchunks;
+    long n, nchunks;     /* chunk i: [i*n/nchunks, (i+1)*n/nchunks) */
     atomic_long next;    /* next chunk to claim */
     atomic_int helpers;  /* helpers inside; changed under board_lock */
     struct task *next_task;
@@ -35,6 +34,12 @@ void pb_par_set_backend(const pb_par_backend_t *b)
     pthread_mutex_unlock(&board_lock);
 }
 
+int pb_par_threads(void)
+{
+    pb_par_backend_t b = backend;
+    return b.idle && b.threads > 1 ? b.threads : 1;
+}
+
 int pb_par_pending(void)
 {
     return atomic_load_explicit(&published, memory_order_acquire) > 0;
@@ -58,8 +63,7 @@ static long run_chunks(task_t *t)
          * workers stop looking (pb_par_pending) while it runs. */
         if (i == t->nchunks - 1)
             atomic_fetch_sub_explicit(&published, 1, memory_order_release);
-        long lo = i * t->chunk, hi = lo + t->chunk < t->n ? lo + t->chunk : t->n;
-        t->fn(t->ctx, lo, hi);
+        t->fn(t->ctx, i * t->n / t->nchunks, (i + 1) * t->n / t->nchunks);
         done++;
     }
 }
@@ -102,8 +106,7 @@ void pb_par_for(long n, long grain, pb_par_fn fn, void *ctx)
     /* One chunk for this thread and one per idle thread: a chunk per
      * thread keeps each GEMM piece as large as possible. */
     long nchunks = idle + 1L < most ? idle + 1L : most;
-    task_t t = {.fn = fn, .ctx = ctx, .n = n, .chunk = (n + nchunks - 1) / nchunks};
-    t.nchunks = (n + t.chunk - 1) / t.chunk;
+    task_t t = {.fn = fn, .ctx = ctx, .n = n, .nchunks = nchunks};
     atomic_init(&t.next, 0);
     atomic_init(&t.helpers, 0);
     pthread_mutex_lock(&board_lock);

@@ -21,20 +21,26 @@
 #ifndef PB_PAR_H
 #define PB_PAR_H
 
-/* Run fn(ctx, lo, hi) over [0, n) in chunks of at least `grain`. */
+/* Run fn(ctx, lo, hi) over [0, n) in chunks of at least `grain`: chunk i
+ * of c is [i*n/c, (i+1)*n/c), c being one more than the threads idle. */
 typedef void (*pb_par_fn)(void *ctx, long lo, long hi);
 void pb_par_for(long n, long grain, pb_par_fn fn, void *ctx);
 
 /* What a thread owner lends: idle() counts the threads free to help now;
- * wake(arg) rouses them so that they call pb_par_help. */
+ * wake(arg) rouses them so that they call pb_par_help; threads is how many
+ * it has in all, a caller of pb_par_for included. */
 typedef struct pb_par_backend {
     int (*idle)(void *arg);
     void (*wake)(void *arg);
     void *arg;
+    int threads;
 } pb_par_backend_t;
 
 /* Install (or with NULL remove) the backend; not while tasks run. */
 void pb_par_set_backend(const pb_par_backend_t *b);
+/* The backend's thread count (1 without one): for work that splits into
+ * pieces fixed by it, not by the load. */
+int pb_par_threads(void);
 /* True when a published task has chunks left (cheap, lock-free). */
 int pb_par_pending(void);
 /* Run chunks of published tasks until none is left; from an idle thread. */
