@@ -40,10 +40,29 @@ static void gemm_serial(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_
     gemms[d](CblasColMajor, pb_blas_trans(ta), pb_blas_trans(tb), m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
-/* A GEMM of at least this many multiply-adds is split across idle threads
+/* A GEMM of at least this many multiply-adds is split across threads
  * (about half a millisecond on one core: well above the cost of waking a
  * helper), in pieces of at least half of it. */
 #define PAR_MADDS 4e6
+/* Column pieces begin at multiples of this many columns of C.  OpenBLAS
+ * 0.3.21 then gives each column bitwise what the whole call gives, for
+ * every dtype and transpose, on each core type checked (OPENBLAS_CORETYPE
+ * Haswell, Zen, SkylakeX, Cooperlake, Sandybridge, Nehalem, Prescott,
+ * Core2, Atom, Barcelona; hundreds of random shapes, n up to 32000; 12
+ * fails on Nehalem, 24 holds on all): a piece of PAR_MADDS / 2 is also
+ * past SkylakeX's small-matrix kernels (M·N·K ≤ 10⁶).  So a column split
+ * may follow the idle threads and the result is still that of one call,
+ * whatever the load.  Row splits are not bitwise (f32 and complex on
+ * Haswell, f64 on SkylakeX: the kernels' row tiles and blocks follow m),
+ * so rows split into a number of pieces fixed by the shape and
+ * pb_par_threads(), whoever runs them: the result depends on the daemon's
+ * thread count, never on the load.  unit.par's gemm_split_matches (under
+ * each core type the CPU runs) and lapack_svd_gemvs_split keep checking. */
+#define GEMM_COL_ALIGN 24
+/* A row piece has at least this many rows: run one after another (nobody
+ * idle), pieces of 256 rows cost at most a few % over the whole call (each
+ * packs op(b) again), pieces of 64 up to a quarter. */
+#define GEMM_MIN_ROWS 256
 
 typedef struct gemm_split {
     pb_dtype_t d;
@@ -53,23 +72,31 @@ typedef struct gemm_split {
     const char *a, *b;
     char *c;
     size_t es;
-    bool by_cols;
+    long pieces; /* row pieces */
 } gemm_split_t;
 
-/* Columns [lo, hi) of C (or rows, when split by rows): the same GEMM on
- * the matching columns of op(b) (rows of op(a)). */
-static void gemm_piece(void *ctx, long lo, long hi)
+/* Blocks [lo, hi) of GEMM_COL_ALIGN columns of C, the last block taking
+ * the columns past the last multiple too (so that no piece is smaller
+ * than its grain): the same GEMM on the matching columns of op(b). */
+static void gemm_cols(void *ctx, long lo, long hi)
 {
     const gemm_split_t *g = ctx;
-    int w = (int)(hi - lo);
-    if (g->by_cols) {
-        const char *b = g->b + (size_t)lo * g->es * (g->tb == 'N' ? (size_t)g->ldb : 1);
-        gemm_serial(g->d, g->ta, g->tb, g->m, w, g->k, g->alpha, g->a, g->lda, b, g->ldb, g->beta,
-                    g->c + (size_t)lo * g->es * (size_t)g->ldc, g->ldc);
-    } else {
-        const char *a = g->a + (size_t)lo * g->es * (g->ta == 'N' ? 1 : (size_t)g->lda);
-        gemm_serial(g->d, g->ta, g->tb, w, g->n, g->k, g->alpha, a, g->lda, g->b, g->ldb, g->beta,
-                    g->c + (size_t)lo * g->es, g->ldc);
+    long j0 = lo * GEMM_COL_ALIGN, j1 = hi == g->n / GEMM_COL_ALIGN ? g->n : hi * GEMM_COL_ALIGN;
+    const char *b = g->b + (size_t)j0 * g->es * (g->tb == 'N' ? (size_t)g->ldb : 1);
+    gemm_serial(g->d, g->ta, g->tb, g->m, (int)(j1 - j0), g->k, g->alpha, g->a, g->lda, b, g->ldb, g->beta,
+                g->c + (size_t)j0 * g->es * (size_t)g->ldc, g->ldc);
+}
+
+/* Row pieces [lo, hi) of g->pieces, one GEMM each, on the matching rows
+ * of op(a). */
+static void gemm_rows(void *ctx, long lo, long hi)
+{
+    const gemm_split_t *g = ctx;
+    for (long p = lo; p < hi; p++) {
+        long i0 = p * g->m / g->pieces, i1 = (p + 1) * g->m / g->pieces;
+        const char *a = g->a + (size_t)i0 * g->es * (g->ta == 'N' ? 1 : (size_t)g->lda);
+        gemm_serial(g->d, g->ta, g->tb, (int)(i1 - i0), g->n, g->k, g->alpha, a, g->lda, g->b, g->ldb, g->beta,
+                    g->c + (size_t)i0 * g->es, g->ldc);
     }
 }
 
@@ -79,15 +106,28 @@ void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t
     if (m == 0 || n == 0 || (unsigned)d >= PB_NDTYPES)
         return;
     double madds = (double)m * n * (k ? k : 1);
-    if (madds < PAR_MADDS) {
+    if (madds < PAR_MADDS || pb_par_threads() < 2) {
         gemm_serial(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
         return;
     }
-    /* Split the longer side of C; a piece keeps the other side whole. */
-    gemm_split_t g = {d, ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, pb_dtype_size(d), n >= m};
-    long len = g.by_cols ? n : m;
-    long grain = (long)(PAR_MADDS / 2 / (madds / (double)len)) + 1;
-    pb_par_for(len, grain < 8 ? 8 : grain, gemm_piece, &g);
+    gemm_split_t g = {d, ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, pb_dtype_size(d), 0};
+    long blocks = n / GEMM_COL_ALIGN;
+    long col_grain = (long)(PAR_MADDS / 2 / (madds / n * GEMM_COL_ALIGN)) + 1;
+    bool cols_ok = blocks >= 2 * col_grain && blocks >= 4;
+    long row_min = (long)(PAR_MADDS / 2 / (madds / m)) + 1;
+    if (row_min < GEMM_MIN_ROWS)
+        row_min = GEMM_MIN_ROWS;
+    long rows = m / row_min < pb_par_threads() ? m / row_min : pb_par_threads();
+    /* The longer side of C splits, a piece keeping the other whole; the
+     * other side when the longer cannot. */
+    if (cols_ok && (n >= m || rows < 2)) {
+        pb_par_for(blocks, col_grain, gemm_cols, &g);
+    } else if (rows >= 2) {
+        g.pieces = rows;
+        pb_par_for(rows, 1, gemm_rows, &g);
+    } else {
+        gemm_serial(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    }
 }
 
 typedef void gemv_fn(CBLAS_TRANSPOSE t, int m, int n, pb_scalar_t alpha, const void *a, int lda, const void *x,

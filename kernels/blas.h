@@ -31,7 +31,10 @@ pb_mview_t pb_mview_of(const pb_tensor_t *t);
 void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta, pb_mview_t c);
 
 /* Column-major GEMM on raw operands: c = alpha·op(a)·op(b) + beta·c, op
- * 'N', 'T' or 'C' (conjugate transpose), complex alpha and beta. */
+ * 'N', 'T' or 'C' (conjugate transpose), complex alpha and beta.  A large
+ * one splits across idle threads (kernels/par.h) so that its result never
+ * depends on how many were idle: by columns bitwise as one call, by rows
+ * in pieces fixed by the shape and pb_par_threads() (blas.c). */
 struct pb_scalar;
 void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, struct pb_scalar alpha, const void *a, int lda,
                 const void *b, int ldb, struct pb_scalar beta, void *c, int ldc);

@@ -7,9 +7,9 @@
  * Debian's liblapack.so.3 and libopenblas.so.0 for OpenBLAS 0.3.21), and
  * the dynamic linker binds LAPACK's calls to these before OpenBLAS's.
  * Each is pb_gemm_cm: a large GEMM splits across idle pool threads
- * (kernels/par.h), exactly as the kernels' own do; with no thread idle,
- * or a small product, it is the one CBLAS call OpenBLAS's own entry point
- * would make.  Measured in process on 1024² f64, one helper lending
+ * (kernels/par.h), exactly as the kernels' own do, and its result does not
+ * depend on how many are idle (blas.c); a small product is the one CBLAS
+ * call OpenBLAS's own entry point would make.  Measured in process on 1024² f64, one helper lending
  * itself (time with ÷ without, two runs): geqrf 0.73, gesdd with vectors
  * 0.90-0.93, syevd 0.83-0.85, geev 0.99, gesdd values only 0.99.
  *

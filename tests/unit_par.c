@@ -15,6 +15,7 @@
 #include <string.h>
 #include <math.h>
 #include <unistd.h>
+#include <sys/wait.h>
 
 #include <cblas.h>
 #include <cmocka.h>
@@ -37,6 +38,10 @@
 #include "kernels/strided.h"
 
 #define NHELPERS 3
+
+/* Run by bitwise_on_each_core_type under another core type: its tests
+ * take fewer cases. */
+static bool in_child;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t cond = PTHREAD_COND_INITIALIZER;
@@ -104,7 +109,7 @@ static int teardown(void **state)
     return 0;
 }
 
-static const pb_par_backend_t fake = {fake_idle, fake_wake, NULL};
+static const pb_par_backend_t fake = {fake_idle, fake_wake, NULL, NHELPERS + 1};
 
 typedef struct {
     atomic_int *hits;
@@ -278,14 +283,53 @@ static double max_rel_diff(const void *x, const void *y, size_t n, size_t ss)
     return s > 0 ? m / s : m;
 }
 
+/* The references in the bitwise tests are OpenBLAS's unsplit calls run as
+ * the daemon runs them, on one thread (its threaded GEMMs and GEMVs split
+ * and sum in other orders).  Only those tests: with one OpenBLAS thread
+ * the other tests' helpers get no turn under valgrind's one-at-a-time
+ * scheduling. */
+static int blas_one_thread(void)
+{
+    int n = openblas_get_num_threads();
+    openblas_set_num_threads(1);
+    return n;
+}
+
+/* One GEMM into c, through pb_gemm_cm, with `idle` helpers lent (-1: no
+ * backend, so unsplit); the number of tasks it split into. */
+static unsigned long long gemm_with(int idle, pb_dtype_t d, char ta, char tb, int m, int n, int k, const void *a,
+                                    const void *b, void *c)
+{
+    bool cplx = d == PB_C64 || d == PB_C128;
+    pb_scalar_t al = {0.75, cplx ? 0.25 : 0}, be = {0.5, 0};
+    pb_par_set_backend(idle < 0 ? NULL : &fake);
+    while (atomic_load(&idle_threads) < NHELPERS)
+        usleep(100);
+    lent = idle < 0 ? 0 : idle;
+    unsigned long long t0, h0, t1, h1;
+    pb_par_counts(&t0, &h0);
+    pb_gemm_cm(d, ta, tb, m, n, k, al, a, ta == 'N' ? m : k, b, tb == 'N' ? k : n, be, c, m);
+    pb_par_counts(&t1, &h1);
+    lent = NHELPERS;
+    return t1 - t0;
+}
+
+/* A split GEMM's result never depends on how many threads were idle: by
+ * columns it is bitwise the unsplit call's, by rows (C taller than wide
+ * and too narrow to split, in pieces fixed by the thread count) bitwise
+ * the same with 0, 1 or 3 helpers, and within rounding of the unsplit. */
 static void gemm_split_matches(void **state)
 {
     (void)state;
-    static const struct { int m, n, k; } shapes[] = {{300, 200, 100}, {2000, 20, 200}, {9, 3000, 400}};
+    static const struct { int m, n, k; bool cols; } shapes[] = {
+        {300, 200, 100, true}, {9, 3000, 400, true}, {100, 1001, 90, true},
+        {2000, 20, 200, false}, {600, 300, 100, false}, {3000, 47, 100, false}};
     static const char ops[] = "NTC";
     /* Under valgrind (run_all's memcheck stage) BLAS runs some fifty times
-     * slower: the split path once per dtype and shape is enough there. */
-    bool slow = RUNNING_ON_VALGRIND;
+     * slower: the split path once per dtype and shape is enough there (and
+     * under each other core type). */
+    bool slow = RUNNING_ON_VALGRIND || in_child;
+    int threads = blas_one_thread();
     for (int d = PB_F32; d <= PB_C128; d++) {
         size_t es = pb_dtype_size((pb_dtype_t)d);
         bool cplx = d == PB_C64 || d == PB_C128;
@@ -295,37 +339,42 @@ static void gemm_split_matches(void **state)
             for (int ia = 0; ia < na; ia++)
                 for (int ib = ib0; ib < ib1; ib++) {
                     char ta = ops[ia], tb = ops[ib];
-                    int lda = ta == 'N' ? m : k, ldb = tb == 'N' ? k : n;
                     void *a = malloc((size_t)m * k * es), *b = malloc((size_t)k * n * es);
-                    void *c1 = malloc((size_t)m * n * es), *c2 = malloc((size_t)m * n * es);
+                    size_t bytes = (size_t)m * n * es;
+                    void *c0 = malloc(bytes), *c[3];
                     size_t ss = d == PB_F32 || d == PB_C64 ? 4 : 8, per = cplx ? 2 : 1;
                     fill(a, (size_t)m * k * per, ss, 1);
                     fill(b, (size_t)k * n * per, ss, 2);
-                    fill(c1, (size_t)m * n * per, ss, 3);
-                    memcpy(c2, c1, (size_t)m * n * es);
-                    pb_scalar_t al = {0.75, cplx ? 0.25 : 0}, be = {0.5, 0};
-                    pb_par_set_backend(NULL);
-                    pb_gemm_cm((pb_dtype_t)d, ta, tb, m, n, k, al, a, lda, b, ldb, be, c1, m);
-                    pb_par_set_backend(&fake);
-                    while (atomic_load(&idle_threads) < NHELPERS)
-                        usleep(100);
-                    unsigned long long t0, h0, t1, h1;
-                    pb_par_counts(&t0, &h0);
-                    pb_gemm_cm((pb_dtype_t)d, ta, tb, m, n, k, al, a, lda, b, ldb, be, c2, m);
-                    pb_par_counts(&t1, &h1);
-                    assert_int_equal(t1 - t0, 1);
-                    double tol = d == PB_F32 || d == PB_C64 ? 1e-5 : 1e-13;
-                    size_t nscalars = (size_t)m * n * (cplx ? 2 : 1);
-                    double err = max_rel_diff(c1, c2, nscalars, ss);
-                    if (err > tol)
-                        fail_msg("dtype %d %c%c %dx%dx%d: split differs by %g", d, ta, tb, m, n, k, err);
+                    fill(c0, (size_t)m * n * per, ss, 3);
+                    void *whole = malloc(bytes);
+                    memcpy(whole, c0, bytes);
+                    assert_int_equal(gemm_with(-1, (pb_dtype_t)d, ta, tb, m, n, k, a, b, whole), 0);
+                    static const int idles[3] = {NHELPERS, 1, 0};
+                    for (int i = 0; i < 3; i++) {
+                        c[i] = malloc(bytes);
+                        memcpy(c[i], c0, bytes);
+                        unsigned long long tasks = gemm_with(idles[i], (pb_dtype_t)d, ta, tb, m, n, k, a, b, c[i]);
+                        assert_int_equal(tasks, idles[i] > 0);
+                    }
+                    for (int i = 1; i < 3; i++)
+                        if (memcmp(c[i], c[0], bytes) != 0)
+                            fail_msg("dtype %d %c%c %dx%dx%d: %d helpers give other bits than %d", d, ta, tb, m,
+                                     n, k, idles[i], NHELPERS);
+                    double err = max_rel_diff(c[0], whole, (size_t)m * n * per, ss);
+                    if (shapes[s].cols ? memcmp(c[0], whole, bytes) != 0
+                                       : err > (ss == 4 ? 1e-5 : 1e-13))
+                        fail_msg("dtype %d %c%c %dx%dx%d: split by %s differs from unsplit by %g", d, ta, tb, m, n,
+                                 k, shapes[s].cols ? "columns" : "rows", err);
+                    for (int i = 0; i < 3; i++)
+                        free(c[i]);
                     free(a);
                     free(b);
-                    free(c1);
-                    free(c2);
+                    free(c0);
+                    free(whole);
                 }
         }
     }
+    openblas_set_num_threads(threads);
 }
 
 /* pb_gemm on views: C and F orders of every operand, split or not, against
@@ -629,22 +678,11 @@ static void lapack_calls_split(void **state)
 /* LAPACK's GEMVs (kernels/blas_lapack.c): split along y, each element
  * comes out bitwise as the whole call gives it, for every dtype and
  * transpose, odd shapes, strides (x's negative) and scalars (beta 0
- * included); sgemv's 'N' splits only where that holds (m a multiple of
- * 16).  Then the Fortran entry, and LAPACK's own calls: an SVD's values
+ * included); f32 GEMVs never split.  Then the Fortran entry, and LAPACK's own calls: an SVD's values
  * (gebrd's GEMVs split) as without helpers. */
 void dgemv_(const char *, const int *, const int *, const double *, const double *, const int *, const double *,
             const int *, const double *, double *, const int *);
 
-/* The references below are OpenBLAS's unsplit calls run as the daemon runs
- * them, on one thread (its threaded GEMVs sum in another order).  Only
- * these tests: with one OpenBLAS thread the other tests' helpers get no
- * turn under valgrind's one-at-a-time scheduling. */
-static int blas_one_thread(void)
-{
-    int n = openblas_get_num_threads();
-    openblas_set_num_threads(1);
-    return n;
-}
 
 /* One GEMV split (or, for f32, not) against the whole call, bitwise. */
 static int gemv_one(pb_dtype_t d, char t, int m, int n, int lda, int incx, int incy, unsigned seed)
@@ -685,7 +723,7 @@ static void gemv_split_matches(void **state)
     (void)state;
     int threads = blas_one_thread();
     static const char ops[] = "NTC";
-    int rounds = RUNNING_ON_VALGRIND ? 12 : 400, nsplit = 0;
+    int rounds = RUNNING_ON_VALGRIND ? 12 : in_child ? 100 : 400, nsplit = 0;
     srand(11);
     for (int r = 0; r < rounds; r++) {
         pb_dtype_t d = (pb_dtype_t)(PB_F32 + r % 4);
@@ -714,7 +752,7 @@ static void gemv_edges(void **state)
     int nsplit = 0, ncases = 0;
     for (int d = PB_F32; d <= PB_C128; d++)
         for (const char *t = d == PB_C64 || d == PB_C128 ? "NTC" : "NT"; *t; t++) {
-            int step = RUNNING_ON_VALGRIND ? 4 : 1;
+            int step = RUNNING_ON_VALGRIND ? 4 : in_child ? 2 : 1;
             for (int i = 0; i < (int)(sizeof narrow / sizeof *narrow); i += step) {
                 int k = narrow[i], long_side = (3 << 16) / k + 16 * (k % 3) + 5;
                 int m = *t == 'N' ? long_side : k, n = *t == 'N' ? k : long_side;
@@ -763,38 +801,109 @@ static void lapack_gemv_entry(void **state)
     free(x);
 }
 
+/* An SVD's values with helpers lent: its GEMVs and GEMMs split, and the
+ * values come out bitwise the same whether 3 helpers, 1 or none are idle
+ * (the daemon's results do not depend on the load); against the run
+ * without a backend (nothing split) they differ only in rounding, since
+ * gebrd's row-split GEMMs round otherwise (kernels/blas.c). */
 static void lapack_svd_gemvs_split(void **state)
 {
     (void)state;
     int n = RUNNING_ON_VALGRIND ? 300 : 600, threads = blas_one_thread();
     size_t bytes = (size_t)n * n * sizeof(double);
-    double *a1 = malloc(bytes), *a2 = malloc(bytes), *s1 = malloc((size_t)n * sizeof *s1),
-           *s2 = malloc((size_t)n * sizeof *s2);
-    fill(a1, (size_t)n * n, 8, 15);
-    memcpy(a2, a1, bytes);
-    assert_int_equal(LAPACKE_dgesdd(LAPACK_COL_MAJOR, 'N', n, n, a1, n, s1, NULL, 1, NULL, 1), 0);
-    pb_par_set_backend(&fake);
-    while (atomic_load(&idle_threads) < NHELPERS)
-        usleep(100);
-    unsigned long long t0, h0, t1, h1;
-    pb_par_counts(&t0, &h0);
-    assert_int_equal(LAPACKE_dgesdd(LAPACK_COL_MAJOR, 'N', n, n, a2, n, s2, NULL, 1, NULL, 1), 0);
-    pb_par_counts(&t1, &h1);
+    double *a = malloc(bytes), *work = malloc(bytes), *s[4];
+    fill(a, (size_t)n * n, 8, 15);
+    static const int idles[4] = {-1, NHELPERS, 1, 0};
+    unsigned long long split[4];
+    for (int i = 0; i < 4; i++) {
+        s[i] = malloc((size_t)n * sizeof *s[i]);
+        memcpy(work, a, bytes);
+        pb_par_set_backend(idles[i] < 0 ? NULL : &fake);
+        while (atomic_load(&idle_threads) < NHELPERS)
+            usleep(100);
+        lent = idles[i] < 0 ? 0 : idles[i];
+        unsigned long long t0, h0, t1, h1;
+        pb_par_counts(&t0, &h0);
+        assert_int_equal(LAPACKE_dgesdd(LAPACK_COL_MAJOR, 'N', n, n, work, n, s[i], NULL, 1, NULL, 1), 0);
+        pb_par_counts(&t1, &h1);
+        lent = NHELPERS;
+        split[i] = t1 - t0;
+    }
     pb_par_set_backend(NULL);
     openblas_set_num_threads(threads);
-    print_message("gesdd values %d²: %llu GEMMs and GEMVs split\n", n, t1 - t0);
+    print_message("gesdd values %d²: %llu GEMMs and GEMVs split\n", n, split[1]);
     /* Two GEMVs a column split while the trailing matrix holds 64 Ki elements. */
-    assert_true(t1 - t0 > (unsigned long long)(n - 256));
-    /* Not bitwise: gebrd's split GEMMs round as pb_gemm_cm's do (above). */
-    assert_true(max_rel_diff(s2, s1, (size_t)n, 8) < 1e-13);
-    free(a1);
-    free(a2);
-    free(s1);
-    free(s2);
+    assert_true(split[1] > (unsigned long long)(n - 256));
+    assert_int_equal(split[0], 0);
+    assert_int_equal(split[3], 0);
+    assert_memory_equal(s[2], s[1], (size_t)n * sizeof *s[1]);
+    assert_memory_equal(s[3], s[1], (size_t)n * sizeof *s[1]);
+    assert_true(max_rel_diff(s[1], s[0], (size_t)n, 8) < 1e-13);
+    for (int i = 0; i < 4; i++)
+        free(s[i]);
+    free(a);
+    free(work);
+}
+
+/* The bitwise claims (kernels/blas.c) hold on each x86-64 core type
+ * OpenBLAS has kernels for, not only this machine's: run those tests again
+ * in a child per core type this CPU can execute (OPENBLAS_CORETYPE is read
+ * when OpenBLAS loads).  Not under valgrind, where one child would take
+ * minutes, nor under ASan: it checks numbers, which the release build's
+ * run covers. */
+static const struct CMUnitTest bitwise_tests[] = {
+    cmocka_unit_test(gemm_split_matches), cmocka_unit_test(gemv_split_matches), cmocka_unit_test(gemv_edges)};
+
+static void bitwise_on_each_core_type(void **state)
+{
+    (void)state;
+#if defined(__SANITIZE_ADDRESS__)
+    skip();
+#endif
+    if (RUNNING_ON_VALGRIND)
+        skip();
+    static const struct { const char *core, *needs; } cores[] = {
+        {"Prescott", "sse3"},        {"Core2", "ssse3"},     {"Nehalem", "sse4.2"},
+        {"Barcelona", "sse4a"},      {"Sandybridge", "avx"}, {"Haswell", "avx2"},
+        {"Zen", "avx2"},             {"SkylakeX", "avx512f"}, {"Cooperlake", "avx512bf16"}};
+    __builtin_cpu_init();
+    int ran = 0;
+    for (size_t i = 0; i < sizeof cores / sizeof cores[0]; i++) {
+        const char *n = cores[i].needs;
+        bool ok = !strcmp(n, "sse3")     ? __builtin_cpu_supports("sse3")
+                  : !strcmp(n, "ssse3")  ? __builtin_cpu_supports("ssse3")
+                  : !strcmp(n, "sse4.2") ? __builtin_cpu_supports("sse4.2")
+                  : !strcmp(n, "sse4a")  ? __builtin_cpu_supports("sse4a")
+                  : !strcmp(n, "avx")    ? __builtin_cpu_supports("avx")
+                  : !strcmp(n, "avx2")   ? __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")
+                  : !strcmp(n, "avx512f") ? __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
+                                          : __builtin_cpu_supports("avx512bf16");
+        if (!ok)
+            continue;
+        pid_t pid = fork();
+        assert_true(pid >= 0);
+        if (pid == 0) {
+            setenv("OPENBLAS_CORETYPE", cores[i].core, 1);
+            setenv("PB_UNIT_PAR_BITWISE_ONLY", "1", 1);
+            execl("/proc/self/exe", "unit_par", (char *)NULL);
+            _exit(127);
+        }
+        int st;
+        assert_int_equal(waitpid(pid, &st, 0), pid);
+        if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+            fail_msg("bitwise tests fail with OPENBLAS_CORETYPE=%s (status %#x)", cores[i].core, st);
+        ran++;
+    }
+    print_message("bitwise tests passed on %d core types\n", ran);
+    assert_true(ran >= 1);
 }
 
 int main(void)
 {
+    if (getenv("PB_UNIT_PAR_BITWISE_ONLY")) {
+        in_child = true;
+        return cmocka_run_group_tests_name(getenv("OPENBLAS_CORETYPE"), bitwise_tests, setup, teardown);
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(inline_without_backend), cmocka_unit_test(inline_when_nobody_idle),
         cmocka_unit_test(inline_below_two_grains), cmocka_unit_test(idle_threads_help),
@@ -804,7 +913,7 @@ int main(void)
         cmocka_unit_test(strided_reduction_not_split), cmocka_unit_test(lapack_gemm_entry),
         cmocka_unit_test(lapack_calls_split), cmocka_unit_test(gemv_split_matches),
         cmocka_unit_test(lapack_gemv_entry), cmocka_unit_test(lapack_svd_gemvs_split),
-        cmocka_unit_test(gemv_edges),
+        cmocka_unit_test(gemv_edges), cmocka_unit_test(bitwise_on_each_core_type),
     };
     return cmocka_run_group_tests_name("unit.par", tests, setup, teardown);
 }
