@@ -215,13 +215,17 @@ uint64_t pb_pool_busy_ns(pb_pool_t *p)
 
 void pb_pool_stop(pb_pool_t *p)
 {
-    pb_par_set_backend(NULL);
     pthread_mutex_lock(&p->lock);
     p->stopping = true;
     pthread_cond_broadcast(&p->cond);
     pthread_mutex_unlock(&p->lock);
     for (int i = 0; i < p->nthreads; i++)
         pthread_join(p->threads[i], NULL);
+    /* Only now: jobs still running (past a drain's timeout) read the
+     * backend in each pb_par_for, and kernels/par.h allows no change while
+     * tasks run.  A worker that has left lends nothing: its job's caller
+     * runs the pieces it published itself. */
+    pb_par_set_backend(NULL);
     free(p->threads);
     p->threads = NULL;
     on_async(&p->async); /* completions that raced the stop */

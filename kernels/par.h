@@ -22,7 +22,9 @@
 #define PB_PAR_H
 
 /* Run fn(ctx, lo, hi) over [0, n) in chunks of at least `grain`: chunk i
- * of c is [i*n/c, (i+1)*n/c), c being one more than the threads idle. */
+ * of c is [i*n/c, (i+1)*n/c), c being one more than the threads idle, at
+ * most n/grain.  With no thread idle (or c < 2) it is fn(ctx, 0, n) on
+ * the calling thread. */
 typedef void (*pb_par_fn)(void *ctx, long lo, long hi);
 void pb_par_for(long n, long grain, pb_par_fn fn, void *ctx);
 
