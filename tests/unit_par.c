@@ -328,13 +328,19 @@ static void gemm_split_matches(void **state)
     static const char ops[] = "NTC";
     /* Under valgrind (run_all's memcheck stage) BLAS runs some fifty times
      * slower: one pair of ops per dtype and shape is enough there (and
-     * under each other core type). */
+     * under each other core type), and there, where only memory is
+     * checked, a shape a way, the smallest and largest element and no
+     * run with one helper. */
     bool slow = RUNNING_ON_VALGRIND || in_child;
     int threads = blas_one_thread();
     for (int d = PB_F32; d <= PB_C128; d++) {
         size_t es = pb_dtype_size((pb_dtype_t)d);
         bool cplx = d == PB_C64 || d == PB_C128;
+        if (RUNNING_ON_VALGRIND && d != PB_F32 && d != PB_C128)
+            continue;
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+            if (RUNNING_ON_VALGRIND && s != 0 && s != 3)
+                continue;
             int m = shapes[s].m, n = shapes[s].n, k = shapes[s].k;
             int nops = cplx ? 3 : 2;
             /* Slow: one pair of ops per shape, a different one each. */
@@ -357,11 +363,13 @@ static void gemm_split_matches(void **state)
                     for (int i = 0; i < 3; i++) {
                         c[i] = malloc(bytes);
                         memcpy(c[i], c0, bytes);
+                        if (RUNNING_ON_VALGRIND && i == 1)
+                            continue;
                         unsigned long long tasks = gemm_with(idles[i], (pb_dtype_t)d, ta, tb, m, n, k, a, b, c[i]);
                         assert_int_equal(tasks, idles[i] > 0);
                     }
                     for (int i = 1; i < 3; i++)
-                        if (memcmp(c[i], c[0], bytes) != 0)
+                        if (!(RUNNING_ON_VALGRIND && i == 1) && memcmp(c[i], c[0], bytes) != 0)
                             fail_msg("dtype %d %c%c %dx%dx%d: %d helpers give other bits than %d", d, ta, tb, m,
                                      n, k, idles[i], NHELPERS);
                     double err = max_rel_diff(c[0], whole, (size_t)m * n * per, ss);
