@@ -106,28 +106,29 @@ void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t
     if (m == 0 || n == 0 || (unsigned)d >= PB_NDTYPES)
         return;
     double madds = (double)m * n * (k ? k : 1);
-    if (madds < PAR_MADDS || pb_par_threads() < 2) {
-        gemm_serial(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-        return;
+    int threads = pb_par_threads();
+    if (madds >= PAR_MADDS && threads >= 2) {
+        gemm_split_t g = {d, ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, pb_dtype_size(d), 0};
+        long blocks = n / GEMM_COL_ALIGN;
+        long col_grain = (long)(PAR_MADDS / 2 / (madds / n * GEMM_COL_ALIGN)) + 1;
+        bool cols_ok = blocks >= 2 * col_grain && blocks >= 4;
+        long row_min = (long)(PAR_MADDS / 2 / (madds / m)) + 1;
+        if (row_min < GEMM_MIN_ROWS)
+            row_min = GEMM_MIN_ROWS;
+        long rows = m / row_min < threads ? m / row_min : threads;
+        /* The longer side of C splits, a piece keeping the other whole; the
+         * other side when the longer cannot. */
+        if (cols_ok && (n >= m || rows < 2)) {
+            pb_par_for(blocks, col_grain, gemm_cols, &g);
+            return;
+        }
+        if (rows >= 2) {
+            g.pieces = rows;
+            pb_par_for(rows, 1, gemm_rows, &g);
+            return;
+        }
     }
-    gemm_split_t g = {d, ta, tb, m, n, k, lda, ldb, ldc, alpha, beta, a, b, c, pb_dtype_size(d), 0};
-    long blocks = n / GEMM_COL_ALIGN;
-    long col_grain = (long)(PAR_MADDS / 2 / (madds / n * GEMM_COL_ALIGN)) + 1;
-    bool cols_ok = blocks >= 2 * col_grain && blocks >= 4;
-    long row_min = (long)(PAR_MADDS / 2 / (madds / m)) + 1;
-    if (row_min < GEMM_MIN_ROWS)
-        row_min = GEMM_MIN_ROWS;
-    long rows = m / row_min < pb_par_threads() ? m / row_min : pb_par_threads();
-    /* The longer side of C splits, a piece keeping the other whole; the
-     * other side when the longer cannot. */
-    if (cols_ok && (n >= m || rows < 2)) {
-        pb_par_for(blocks, col_grain, gemm_cols, &g);
-    } else if (rows >= 2) {
-        g.pieces = rows;
-        pb_par_for(rows, 1, gemm_rows, &g);
-    } else {
-        gemm_serial(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    }
+    gemm_serial(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 
 typedef void gemv_fn(CBLAS_TRANSPOSE t, int m, int n, pb_scalar_t alpha, const void *a, int lda, const void *x,

@@ -242,24 +242,26 @@ class Running(DaemonCase):
             for t in tapes:
                 t.release()
 
+    def split_counts(self):
+        """(steps split, pieces helped) so far, from the daemon's metrics."""
+        m = parse_metrics(ctl("metrics", env={"PULLBACKD_SOCKET": self.path})[1])
+        return m["pullbackd_split_tasks_total"], m["pullbackd_split_pieces_helped_total"]
+
     def test_idle_workers_help(self):
         # One large request alone on a 2-worker daemon: its GEMM is split
         # and the idle worker runs pieces of it (kernels/par.h).
-        def counts():
-            m = parse_metrics(ctl("metrics", env={"PULLBACKD_SOCKET": self.path})[1])
-            return m["pullbackd_split_tasks_total"], m["pullbackd_split_pieces_helped_total"]
         # Whether the woken worker claims a piece before the requesting one
         # has run them all depends on the scheduler: on a loaded 2-core
         # machine (meson runs tests side by side) it may come too late for
         # one request, so the test allows a few tries.
-        t0, h0 = counts()
+        t0, h0 = self.split_counts()
         rng = np.random.default_rng(5)
         A, B = rng.standard_normal((700, 700)), rng.standard_normal((700, 700))
         with pullbackd.Client(self.path) as c:
             for tries in range(1, 21):
                 C = c.forward("tensorcontract", {"A": A, "B": B}, options={"spec": "ij,jk->ik"})["C"]
                 np.testing.assert_allclose(C, A @ B, rtol=1e-12, atol=1e-10)
-                t1, h1 = counts()
+                t1, h1 = self.split_counts()
                 if h1 > h0:
                     break
         self.assertGreaterEqual(t1 - t0, 1)
@@ -270,9 +272,6 @@ class Running(DaemonCase):
         # helped with it or was busy with another request (kernels/blas.c):
         # fused_dense f32, whose GEMMs split by rows (batch > out) in one
         # shape and by columns in the other, forward and reverse.
-        def counts():
-            m = parse_metrics(ctl("metrics", env={"PULLBACKD_SOCKET": self.path})[1])
-            return m["pullbackd_split_tasks_total"], m["pullbackd_split_pieces_helped_total"]
 
         rng = np.random.default_rng(9)
         cases = []
@@ -304,9 +303,9 @@ class Running(DaemonCase):
             for i, (inputs, ybar) in enumerate(cases):
                 # Alone, until the idle worker ran a piece of it.
                 for tries in range(1, 21):
-                    _, h0 = counts()
+                    _, h0 = self.split_counts()
                     helped = run(c, inputs, ybar)
-                    _, h1 = counts()
+                    _, h1 = self.split_counts()
                     if h1 > h0:
                         break
                 self.assertGreater(h1, h0, f"case {i}: no piece helped in {tries} requests")
@@ -325,9 +324,9 @@ class Running(DaemonCase):
                 try:
                     time.sleep(0.1)
                     for tries in range(1, 21):
-                        _, h0 = counts()
+                        _, h0 = self.split_counts()
                         loaded = run(c, inputs, ybar)
-                        _, h1 = counts()
+                        _, h1 = self.split_counts()
                         same(loaded, helped, f"case {i}")
                         if h1 == h0:
                             break

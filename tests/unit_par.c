@@ -112,6 +112,29 @@ static int teardown(void **state)
 
 static const pb_par_backend_t fake = {fake_idle, fake_wake, NULL, NHELPERS + 1};
 
+/* Lends `idle` helpers (-1: no backend, so nothing splits) to what runs
+ * next, once every helper is back waiting; returns the tasks split so far,
+ * for split_since. */
+static unsigned long long lend(int idle)
+{
+    pb_par_set_backend(idle < 0 ? NULL : &fake);
+    while (atomic_load(&idle_threads) < NHELPERS)
+        usleep(100);
+    lent = idle < 0 ? 0 : idle;
+    unsigned long long t, h;
+    pb_par_counts(&t, &h);
+    return t;
+}
+
+/* The tasks split since lend returned t0; all helpers lent again. */
+static unsigned long long split_since(unsigned long long t0)
+{
+    unsigned long long t, h;
+    pb_par_counts(&t, &h);
+    lent = NHELPERS;
+    return t - t0;
+}
+
 typedef struct {
     atomic_int *hits;
     atomic_int calls;
@@ -303,16 +326,9 @@ static unsigned long long gemm_with(int idle, pb_dtype_t d, char ta, char tb, in
 {
     bool cplx = d == PB_C64 || d == PB_C128;
     pb_scalar_t al = {0.75, cplx ? 0.25 : 0}, be = {0.5, 0};
-    pb_par_set_backend(idle < 0 ? NULL : &fake);
-    while (atomic_load(&idle_threads) < NHELPERS)
-        usleep(100);
-    lent = idle < 0 ? 0 : idle;
-    unsigned long long t0, h0, t1, h1;
-    pb_par_counts(&t0, &h0);
+    unsigned long long t0 = lend(idle);
     pb_gemm_cm(d, ta, tb, m, n, k, al, a, ta == 'N' ? m : k, b, tb == 'N' ? k : n, be, c, m);
-    pb_par_counts(&t1, &h1);
-    lent = NHELPERS;
-    return t1 - t0;
+    return split_since(t0);
 }
 
 /* A split GEMM's result never depends on how many threads were idle: by
@@ -400,7 +416,6 @@ static void gemm_views(void **state)
     fill(a, (size_t)m * k, 8, 4);
     fill(b, (size_t)k * n, 8, 5);
     for (int split = 0; split < 2; split++) {
-        pb_par_set_backend(split ? &fake : NULL);
         if (RUNNING_ON_VALGRIND && !split)
             continue; /* the triple loop is slow there; the split path is what counts */
         for (int oa = 0; oa < 2; oa++)
@@ -417,14 +432,10 @@ static void gemm_views(void **state)
                                 s += AT(a, fa, i, l, m, k) * AT(b, fb, l, j, k, n);
                             ref[fc == 'C' ? (size_t)i * n + j : (size_t)j * m + i] = 2 * s;
                         }
-                    while (atomic_load(&idle_threads) < NHELPERS)
-                        usleep(100);
-                    unsigned long long t0, h0, t1, h1;
-                    pb_par_counts(&t0, &h0);
+                    unsigned long long t0 = lend(split ? NHELPERS : -1);
                     pb_gemm(PB_F64, 2.0, (pb_mview_t){a, m, k, fa}, (pb_mview_t){b, k, n, fb}, 0.0,
                             (pb_mview_t){c, m, n, fc});
-                    pb_par_counts(&t1, &h1);
-                    assert_int_equal(t1 - t0, split);
+                    assert_int_equal(split_since(t0), split);
                     assert_true(max_rel_diff(c, ref, (size_t)m * n, 8) < 1e-13);
                 }
     }
@@ -590,15 +601,11 @@ static void strided_split_matches(void **state)
                 memcpy(d2, d1, n * es);
                 pb_par_set_backend(NULL);
                 pb_strided((pb_dtype_t)d, &L, d1, src, conj, al, s2, be, acc);
-                pb_par_set_backend(&fake);
-                while (atomic_load(&idle_threads) < NHELPERS)
-                    usleep(100);
-                unsigned long long t0, h0, t1, h1;
-                pb_par_counts(&t0, &h0);
+                unsigned long long t0 = lend(NHELPERS);
                 pb_strided((pb_dtype_t)d, &L, d2, src, conj, al, s2, be, acc);
-                pb_par_counts(&t1, &h1);
+                unsigned long long tasks = split_since(t0);
                 pb_par_set_backend(NULL);
-                if (t1 - t0 != 1)
+                if (tasks != 1)
                     fail_msg("dtype %d case %zu mode %d: not split", d, ci, mode);
                 if (memcmp(d1, d2, n * es) != 0)
                     fail_msg("dtype %d case %zu mode %d: the split pass differs", d, ci, mode);
@@ -652,15 +659,11 @@ static void lapack_gemm_entry(void **state)
     double complex al = CMPLX(0.5, 0.25), be = CMPLX(-1, 0);
     pb_par_set_backend(NULL);
     pb_gemm_cm(PB_C128, 'C', 'T', m, n, k, (pb_scalar_t){0.5, 0.25}, a, lda, b, ldb, (pb_scalar_t){-1, 0}, c1, ldc);
-    pb_par_set_backend(&fake);
-    while (atomic_load(&idle_threads) < NHELPERS)
-        usleep(100);
-    unsigned long long t0, h0, t1, h1;
-    pb_par_counts(&t0, &h0);
+    unsigned long long t0 = lend(NHELPERS);
     zgemm_("c", "t", &m, &n, &k, &al, a, &lda, b, &ldb, &be, c2, &ldc);
-    pb_par_counts(&t1, &h1);
+    unsigned long long tasks = split_since(t0);
     pb_par_set_backend(NULL);
-    assert_int_equal(t1 - t0, 1);
+    assert_int_equal(tasks, 1);
     assert_true(max_rel_diff(c2, c1, (size_t)m * n * 2, 8) < 1e-13);
     free(a);
     free(b);
@@ -677,16 +680,12 @@ static void lapack_calls_split(void **state)
     fill(r1, (size_t)n * n, 8, 10);
     memcpy(r2, r1, bytes);
     assert_int_equal(LAPACKE_dgeqrf(LAPACK_COL_MAJOR, n, n, r1, n, tau), 0);
-    pb_par_set_backend(&fake);
-    while (atomic_load(&idle_threads) < NHELPERS)
-        usleep(100);
-    unsigned long long t0, h0, t1, h1;
-    pb_par_counts(&t0, &h0);
+    unsigned long long t0 = lend(NHELPERS);
     assert_int_equal(LAPACKE_dgeqrf(LAPACK_COL_MAJOR, n, n, r2, n, tau), 0);
-    pb_par_counts(&t1, &h1);
+    unsigned long long tasks = split_since(t0);
     pb_par_set_backend(NULL);
-    print_message("geqrf %d²: %llu GEMMs split\n", n, t1 - t0);
-    assert_true(t1 - t0 > 0);
+    print_message("geqrf %d²: %llu GEMMs split\n", n, tasks);
+    assert_true(tasks > 0);
     assert_true(max_rel_diff(r2, r1, (size_t)n * n, 8) < 1e-12);
     free(r1);
     free(r2);
@@ -696,11 +695,10 @@ static void lapack_calls_split(void **state)
 /* LAPACK's GEMVs (kernels/blas_lapack.c): split along y, each element
  * comes out bitwise as the whole call gives it, for every dtype and
  * transpose, odd shapes, strides (x's negative) and scalars (beta 0
- * included); f32 GEMVs never split.  Then the Fortran entry, and LAPACK's own calls: an SVD's values
- * (gebrd's GEMVs split) as without helpers. */
+ * included); f32 GEMVs never split.  Then the Fortran entry, and LAPACK's
+ * own calls: an SVD's values (gebrd's GEMVs split) as without helpers. */
 void dgemv_(const char *, const int *, const int *, const double *, const double *, const int *, const double *,
             const int *, const double *, double *, const int *);
-
 
 /* One GEMV split (or, for f32, not) against the whole call, bitwise. */
 static int gemv_one(pb_dtype_t d, char t, int m, int n, int lda, int incx, int incy, unsigned seed)
@@ -717,23 +715,19 @@ static int gemv_one(pb_dtype_t d, char t, int m, int n, int lda, int incx, int i
     pb_scalar_t al = {0.75, cplx ? -0.5 : 0}, be = {seed % 2 ? 0 : -1.25, cplx ? 0.25 : 0};
     pb_par_set_backend(NULL);
     pb_gemv_cm(d, t, m, n, al, a, lda, x, incx, be, y1, incy);
-    pb_par_set_backend(&fake);
-    while (atomic_load(&idle_threads) < NHELPERS)
-        usleep(100);
-    unsigned long long t0, h0, t1, h1;
-    pb_par_counts(&t0, &h0);
+    unsigned long long t0 = lend(NHELPERS);
     pb_gemv_cm(d, t, m, n, al, a, lda, x, incx, be, y2, incy);
-    pb_par_counts(&t1, &h1);
+    unsigned long long tasks = split_since(t0);
     pb_par_set_backend(NULL);
-    if (t1 - t0 > (d == PB_F32 ? 0u : 1u))
-        fail_msg("dtype %d %c %dx%d: %llu splits", d, t, m, n, t1 - t0);
+    if (tasks > (d == PB_F32 ? 0u : 1u))
+        fail_msg("dtype %d %c %dx%d: %llu splits", d, t, m, n, tasks);
     if (memcmp(y1, y2, ny * es) != 0)
         fail_msg("dtype %d %c %dx%d lda %d incx %d incy %d: split differs", d, t, m, n, lda, incx, incy);
     free(a);
     free(x);
     free(y1);
     free(y2);
-    return (int)(t1 - t0);
+    return (int)(tasks);
 }
 
 static void gemv_split_matches(void **state)
@@ -804,16 +798,12 @@ static void lapack_gemv_entry(void **state)
     memcpy(y2, y1, sizeof y1);
     pb_par_set_backend(NULL);
     pb_gemv_cm(PB_F64, 'T', m, n, (pb_scalar_t){al, 0}, a, lda, x, one, (pb_scalar_t){be, 0}, y1, one);
-    pb_par_set_backend(&fake);
-    while (atomic_load(&idle_threads) < NHELPERS)
-        usleep(100);
-    unsigned long long t0, h0, t1, h1;
-    pb_par_counts(&t0, &h0);
+    unsigned long long t0 = lend(NHELPERS);
     dgemv_("t", &m, &n, &al, a, &lda, x, &one, &be, y2, &one);
-    pb_par_counts(&t1, &h1);
+    unsigned long long tasks = split_since(t0);
     pb_par_set_backend(NULL);
     openblas_set_num_threads(threads);
-    assert_int_equal(t1 - t0, 1);
+    assert_int_equal(tasks, 1);
     assert_memory_equal(y1, y2, sizeof y1);
     free(a);
     free(x);
@@ -836,16 +826,9 @@ static void lapack_svd_gemvs_split(void **state)
     for (int i = 0; i < 4; i++) {
         s[i] = malloc((size_t)n * sizeof *s[i]);
         memcpy(work, a, bytes);
-        pb_par_set_backend(idles[i] < 0 ? NULL : &fake);
-        while (atomic_load(&idle_threads) < NHELPERS)
-            usleep(100);
-        lent = idles[i] < 0 ? 0 : idles[i];
-        unsigned long long t0, h0, t1, h1;
-        pb_par_counts(&t0, &h0);
+        unsigned long long t0 = lend(idles[i]);
         assert_int_equal(LAPACKE_dgesdd(LAPACK_COL_MAJOR, 'N', n, n, work, n, s[i], NULL, 1, NULL, 1), 0);
-        pb_par_counts(&t1, &h1);
-        lent = NHELPERS;
-        split[i] = t1 - t0;
+        split[i] = split_since(t0);
     }
     pb_par_set_backend(NULL);
     openblas_set_num_threads(threads);
