@@ -30,15 +30,25 @@
  *
  * Every matrix is column-major with its leading dimension equal to its
  * row count (E(M, ld, i, j)); 0-size dimensions are allowed and every work
- * array has room for at least one element.  Functions return 0 or a
- * negative PB_E* code; PB_ENOMEM may come back without err filled (the
- * family's entry point says "out of memory in ..."). */
+ * array has room for at least one element.  The one exception is what
+ * LAPACK's drivers work on (FZ(pad)): from 512 bytes a column, a copy
+ * whose columns are an odd number of 64-byte lines apart.  A stride that
+ * is a multiple of a large power of two (1024 f64 rows: 8 KiB) puts the
+ * entries of a row in the same few cache sets, and the reductions walk
+ * rows.  Measured in process on 1024² f64 (Haswell kernels, one thread):
+ * gesdd without vectors 197 → 151 ms, with them 427 → 347, geev 955-1077
+ * → 583-589, geqrf 48 → 39; syevd gains nothing and is left as it is.
+ *
+ * Functions return 0 or a negative PB_E* code; PB_ENOMEM may come back
+ * without err filled (the family's entry point says "out of memory in
+ * ..."). */
 #ifndef PB_FACTOR_COMMON_H
 #define PB_FACTOR_COMMON_H
 
 #include <cblas.h>
 #include "cmplx.h"
 #include <lapacke.h>
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>

@@ -8,6 +8,20 @@
  * (mem.h); freed with pb_mem_free(). */
 T *FZ(zalloc)(size_t n);
 RT *FZ(ralloc)(size_t n);
+/* The m×n matrix src (leading dimension lds) into dst (ldd); nothing when
+ * they are the same array. */
+void FZ(copy)(T *dst, int ldd, const T *src, int lds, int m, int n);
+/* The leading dimension LAPACK works with for a matrix of m rows: m, or
+ * for a column of 512 bytes or more, m rounded up to an odd number of
+ * 64-byte cache lines (factor_common.h says why). */
+int FZ(lapack_ld)(int m);
+/* LAPACK's copy of the m×n matrix M (leading dimension m): M itself when
+ * *ld = FZ(lapack_ld)(m) is m, else a zeroed work array of leading
+ * dimension *ld holding M's values when `copy` is set (NULL when out of
+ * memory).  FZ(unpad) copies it back into M when `copy` is set and frees
+ * it; both do nothing to P when P is M. */
+T *FZ(pad)(T *M, int m, int n, bool copy, int *ld);
+void FZ(unpad)(T *P, int ld, T *M, int m, int n, bool copy);
 /* c = alpha·op(a)·op(b) + beta·c, op 'N', 'T' or 'C'. */
 void FZ(gemm)(char ta, char tb, int m, int n, int k, T alpha, const T *a, int lda, const T *b, int ldb, T beta, T *c,
               int ldc);

@@ -12,6 +12,43 @@ RT *FZ(ralloc)(size_t n)
     return pb_mem_calloc(n ? n : 1, sizeof(RT));
 }
 
+int FZ(lapack_ld)(int m)
+{
+    size_t lines = ((size_t)LD(m) * sizeof(T) + 63) / 64;
+    if ((size_t)m * sizeof(T) < 512)
+        return LD(m);
+    size_t ld = (lines | 1) * 64 / sizeof(T);
+    return ld > INT_MAX ? m : (int)ld;
+}
+
+void FZ(copy)(T *dst, int ldd, const T *src, int lds, int m, int n)
+{
+    if (dst == src)
+        return;
+    for (int j = 0; j < n; j++)
+        memcpy(dst + (size_t)j * (size_t)ldd, src + (size_t)j * (size_t)lds, (size_t)m * sizeof(T));
+}
+
+T *FZ(pad)(T *M, int m, int n, bool copy, int *ld)
+{
+    *ld = FZ(lapack_ld)(m);
+    if (*ld == LD(m))
+        return M;
+    T *P = FZ(zalloc)((size_t)*ld * (size_t)(n > 0 ? n : 0));
+    if (P && copy)
+        FZ(copy)(P, *ld, M, m, m, n);
+    return P;
+}
+
+void FZ(unpad)(T *P, int ld, T *M, int m, int n, bool copy)
+{
+    if (P == M || P == NULL)
+        return;
+    if (copy)
+        FZ(copy)(M, m, P, ld, m, n);
+    pb_mem_free(P);
+}
+
 void FZ(gemm)(char ta, char tb, int m, int n, int k, T alpha, const T *a, int lda, const T *b, int ldb, T beta, T *c,
               int ldc)
 {

@@ -12,20 +12,32 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
     if (m == 0)
         return 0;
     lapack_int info;
+    int ld; /* A and V through LAPACK's leading dimension (FZ(pad)) */
+    T *P = FZ(pad)(A, m, m, true, &ld);
+    if (P == NULL)
+        return PB_ENOMEM;
 #if CPLX
-    info = LAPACK(geev)(LAPACK_COL_MAJOR, 'N', 'V', m, A, LD(m), D, NULL, 1, V, LD(m));
+    int ldv;
+    T *Vp = FZ(pad)(V, m, m, false, &ldv);
+    info = Vp ? LAPACK(geev)(LAPACK_COL_MAJOR, 'N', 'V', m, P, ld, D, NULL, 1, Vp, ldv) : 0;
+    FZ(unpad)(P, ld, A, m, m, false);
+    if (Vp == NULL)
+        return PB_ENOMEM;
+    FZ(unpad)(Vp, ldv, V, m, m, info == 0);
     if (info)
         return FZ(lapack_fail)("geev", info, err);
 #else
     RT *wr = FZ(ralloc)((size_t)m), *wi = FZ(ralloc)((size_t)m);
-    T *VR = FZ(zalloc)((size_t)m * m);
+    T *VR = FZ(zalloc)((size_t)ld * m);
     if (wr == NULL || wi == NULL || VR == NULL) {
         pb_mem_free(wr);
         pb_mem_free(wi);
         pb_mem_free(VR);
+        FZ(unpad)(P, ld, A, m, m, false);
         return PB_ENOMEM;
     }
-    info = LAPACK(geev)(LAPACK_COL_MAJOR, 'N', 'V', m, A, LD(m), wr, wi, NULL, 1, VR, LD(m));
+    info = LAPACK(geev)(LAPACK_COL_MAJOR, 'N', 'V', m, P, ld, wr, wi, NULL, 1, VR, ld);
+    FZ(unpad)(P, ld, A, m, m, false);
     if (info == 0)
         /* a conjugate pair is stored as the real and imaginary parts of
          * the first vector in two adjacent columns */
@@ -34,13 +46,13 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
             if (wi[j] != 0 && j + 1 < m) {
                 D[j + 1] = (CT)CMPLX(wr[j + 1], wi[j + 1]);
                 for (int i = 0; i < m; i++) {
-                    E(V, m, i, j) = (CT)CMPLX(E(VR, m, i, j), E(VR, m, i, j + 1));
-                    E(V, m, i, j + 1) = (CT)CMPLX(E(VR, m, i, j), -E(VR, m, i, j + 1));
+                    E(V, m, i, j) = (CT)CMPLX(E(VR, ld, i, j), E(VR, ld, i, j + 1));
+                    E(V, m, i, j + 1) = (CT)CMPLX(E(VR, ld, i, j), -E(VR, ld, i, j + 1));
                 }
                 j++;
             } else
                 for (int i = 0; i < m; i++)
-                    E(V, m, i, j) = E(VR, m, i, j);
+                    E(V, m, i, j) = E(VR, ld, i, j);
         }
     pb_mem_free(wr);
     pb_mem_free(wi);

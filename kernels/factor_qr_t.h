@@ -76,28 +76,31 @@ static void FN(triu_mul_upper)(int n, const T *D, int ldd, const T *R, int ldr, 
 
 int FZ(qr_factor)(T *A, int m, int n, int nq, T *Q, T *Rm, pb_err_t *err)
 {
-    int k = m < n ? m : n, nr = nq;
-    lapack_int info;
-    T *tau = FZ(zalloc)((size_t)k);
-    if (tau == NULL)
-        return PB_ENOMEM;
-    if (k > 0 && (info = LAPACK(geqrf)(LAPACK_COL_MAJOR, m, n, A, LD(m), tau))) {
-        pb_mem_free(tau);
-        return FZ(lapack_fail)("geqrf", info, err);
-    }
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i <= j && i < k; i++)
-            E(Rm, nr, i, j) = E(A, m, i, j);
-    if (k > 0) {
-        memcpy(Q, A, (size_t)m * (size_t)k * sizeof(T));
-        if ((info = ORGQR(LAPACK_COL_MAJOR, m, nq, k, Q, LD(m), tau))) {
-            pb_mem_free(tau);
-            return FZ(lapack_fail)(CPLX ? "ungqr" : "orgqr", info, err);
+    int k = m < n ? m : n, nr = nq, ld, ldq;
+    lapack_int info = 0;
+    /* A and Q through LAPACK's leading dimension (FZ(pad)) */
+    T *tau = FZ(zalloc)((size_t)k), *P = FZ(pad)(A, m, n, true, &ld), *Qp = FZ(pad)(Q, m, nq, false, &ldq);
+    int rc = tau && P && Qp ? 0 : PB_ENOMEM;
+    if (rc == 0 && k > 0 && (info = LAPACK(geqrf)(LAPACK_COL_MAJOR, m, n, P, ld, tau)))
+        rc = FZ(lapack_fail)("geqrf", info, err);
+    if (rc == 0) {
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i <= j && i < k; i++)
+                E(Rm, nr, i, j) = E(P, ld, i, j);
+        if (k == 0)
+            for (int j = 0; j < nq; j++)
+                E(Qp, ldq, j, j) = 1;
+        else {
+            FZ(copy)(Qp, ldq, P, ld, m, k);
+            if ((info = ORGQR(LAPACK_COL_MAJOR, m, nq, k, Qp, ldq, tau)))
+                rc = FZ(lapack_fail)(CPLX ? "ungqr" : "orgqr", info, err);
         }
-    } else
-        for (int j = 0; j < nq; j++)
-            E(Q, m, j, j) = 1;
+    }
     pb_mem_free(tau);
+    FZ(unpad)(P, ld, A, m, n, false);
+    FZ(unpad)(Qp, ldq, Q, m, nq, rc == 0);
+    if (rc)
+        return rc;
     /* the phases of diag(R) move into Q: R's rows (walked by columns,
      * as they lie) times conj(phase), Q's columns times the phase */
     T *ph = FZ(zalloc)((size_t)k);
@@ -202,30 +205,31 @@ static int FN(qr_pullback)(const T *Q, int m, int nq, const T *Rm, int nr, int n
  * Q is nl×n (nl = k or n), zeroed by the caller. */
 static int FN(lq_factor)(T *A, int m, int n, int nl, T *L, T *Q, pb_err_t *err)
 {
-    int k = m < n ? m : n;
-    lapack_int info;
-    T *tau = FZ(zalloc)((size_t)k);
-    if (tau == NULL)
-        return PB_ENOMEM;
-    if (k > 0 && (info = LAPACK(gelqf)(LAPACK_COL_MAJOR, m, n, A, LD(m), tau))) {
-        pb_mem_free(tau);
-        return FZ(lapack_fail)("gelqf", info, err);
-    }
-    for (int j = 0; j < k; j++)
-        for (int i = j; i < m; i++)
-            E(L, m, i, j) = E(A, m, i, j);
-    if (k > 0) {
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < k; i++)
-                E(Q, nl, i, j) = E(A, m, i, j);
-        if ((info = ORGLQ(LAPACK_COL_MAJOR, nl, n, k, Q, LD(nl), tau))) {
-            pb_mem_free(tau);
-            return FZ(lapack_fail)(CPLX ? "unglq" : "orglq", info, err);
+    int k = m < n ? m : n, ld, ldq;
+    lapack_int info = 0;
+    /* A and Q through LAPACK's leading dimension (FZ(pad)) */
+    T *tau = FZ(zalloc)((size_t)k), *P = FZ(pad)(A, m, n, true, &ld), *Qp = FZ(pad)(Q, nl, n, false, &ldq);
+    int rc = tau && P && Qp ? 0 : PB_ENOMEM;
+    if (rc == 0 && k > 0 && (info = LAPACK(gelqf)(LAPACK_COL_MAJOR, m, n, P, ld, tau)))
+        rc = FZ(lapack_fail)("gelqf", info, err);
+    if (rc == 0) {
+        for (int j = 0; j < k; j++)
+            for (int i = j; i < m; i++)
+                E(L, m, i, j) = E(P, ld, i, j);
+        if (k == 0)
+            for (int i = 0; i < nl; i++)
+                E(Qp, ldq, i, i) = 1;
+        else {
+            FZ(copy)(Qp, ldq, P, ld, k, n);
+            if ((info = ORGLQ(LAPACK_COL_MAJOR, nl, n, k, Qp, ldq, tau)))
+                rc = FZ(lapack_fail)(CPLX ? "unglq" : "orglq", info, err);
         }
-    } else
-        for (int i = 0; i < nl; i++)
-            E(Q, nl, i, i) = 1;
+    }
     pb_mem_free(tau);
+    FZ(unpad)(P, ld, A, m, n, false);
+    FZ(unpad)(Qp, ldq, Q, nl, n, rc == 0);
+    if (rc)
+        return rc;
     for (int i = 0; i < k; i++) {
         T l = E(L, m, i, i);
         double a = ABS(l);

@@ -10,25 +10,32 @@ int FZ(svd_factor)(const T *A, int m, int n, T *U, RT *S, T *Vh, pb_err_t *err)
     int k = m < n ? m : n;
     if (k == 0)
         return 0;
-    T *W = FZ(zalloc)((size_t)m * n), *ph = FZ(zalloc)((size_t)k);
+    /* W: A's copy for LAPACK to overwrite; U and Vh through LAPACK's
+     * leading dimensions (FZ(pad)) */
+    int ldw = FZ(lapack_ld)(m), ldu, ldv;
+    T *W = FZ(zalloc)((size_t)ldw * n), *ph = FZ(zalloc)((size_t)k);
+    T *Up = FZ(pad)(U, m, k, false, &ldu), *Vp = FZ(pad)(Vh, k, n, false, &ldv);
     RT *superb = FZ(ralloc)((size_t)k);
     int rc = PB_ENOMEM;
-    if (W && ph && superb) {
-        memcpy(W, A, (size_t)m * n * sizeof(T));
-        lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'S', m, n, W, LD(m), S, U, LD(m), Vh, LD(k));
+    if (W && ph && Up && Vp && superb) {
+        FZ(copy)(W, ldw, A, m, m, n);
+        lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'S', m, n, W, ldw, S, Up, ldu, Vp, ldv);
         if (info > 0) {
-            memcpy(W, A, (size_t)m * n * sizeof(T));
-            info = LAPACK(gesvd)(LAPACK_COL_MAJOR, 'S', 'S', m, n, W, LD(m), S, U, LD(m), Vh, LD(k), superb);
+            FZ(copy)(W, ldw, A, m, m, n);
+            info = LAPACK(gesvd)(LAPACK_COL_MAJOR, 'S', 'S', m, n, W, ldw, S, Up, ldu, Vp, ldv, superb);
         }
         if (info)
             rc = FZ(lapack_fail)(info > 0 ? "gesvd" : "gesdd", info, err);
-        else {
-            FZ(fix_phases)(U, m, k, ph);
-            for (int j = 0; j < n; j++)
-                for (int i = 0; i < k; i++)
-                    E(Vh, k, i, j) *= ph[i];
+        else
             rc = 0;
-        }
+    }
+    FZ(unpad)(Up, ldu, U, m, k, rc == 0);
+    FZ(unpad)(Vp, ldv, Vh, k, n, rc == 0);
+    if (rc == 0) {
+        FZ(fix_phases)(U, m, k, ph);
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < k; i++)
+                E(Vh, k, i, j) *= ph[i];
     }
     pb_mem_free(W);
     pb_mem_free(ph);
@@ -217,15 +224,23 @@ static int FN(svd_values)(const pb_call_t *c, T *A, int m, int n, pb_tensor_t *o
         return PB_ENOMEM;
     if (k == 0)
         return 0;
-    lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'N', m, n, A, LD(m), S, NULL, 1, NULL, 1);
+    int ld;
+    T *P = FZ(pad)(A, m, n, true, &ld);
+    if (P == NULL)
+        return PB_ENOMEM;
+    lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'N', m, n, P, ld, S, NULL, 1, NULL, 1);
     if (info > 0) {
         RT *superb = FZ(ralloc)((size_t)k);
-        if (superb == NULL)
+        if (superb == NULL) {
+            FZ(unpad)(P, ld, A, m, n, false);
             return PB_ENOMEM;
+        }
         FZ(load)(&c->in[0], A, m, n);
-        info = LAPACK(gesvd)(LAPACK_COL_MAJOR, 'N', 'N', m, n, A, LD(m), S, NULL, 1, NULL, 1, superb);
+        FZ(copy)(P, ld, A, m, m, n);
+        info = LAPACK(gesvd)(LAPACK_COL_MAJOR, 'N', 'N', m, n, P, ld, S, NULL, 1, NULL, 1, superb);
         pb_mem_free(superb);
     }
+    FZ(unpad)(P, ld, A, m, n, false);
     return info ? FZ(lapack_fail)(info > 0 ? "gesvd" : "gesdd", info, err) : 0;
 }
 

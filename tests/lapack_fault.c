@@ -11,7 +11,8 @@
  * Spec: comma-separated entries NAME[/N]=INFO, e.g. "zgesdd=3" (every
  * zgesdd call returns 3) or "dgesdd/7=5,dgesvd/7=2" (only calls whose
  * order n, the column count, is 7).  lapack_fault_calls(NAME) counts the
- * calls of NAME since the last lapack_fault_set. */
+ * calls of NAME since the last lapack_fault_set, lapack_fault_lda(NAME)
+ * the leading dimension of A its last call passed. */
 #define _GNU_SOURCE
 #include "lapack_fault.h"
 
@@ -28,7 +29,7 @@ static int counting;          /* set by lapack_fault_set: single-threaded tests 
 #define NCOUNT 64
 static struct {
     char name[16];
-    atomic_int n;
+    atomic_int n, lda;
 } counts[NCOUNT];
 
 void lapack_fault_set(const char *spec)
@@ -38,6 +39,7 @@ void lapack_fault_set(const char *spec)
     for (int i = 0; i < NCOUNT; i++) {
         counts[i].name[0] = 0;
         atomic_store(&counts[i].n, 0);
+        atomic_store(&counts[i].lda, 0);
     }
 }
 
@@ -49,7 +51,15 @@ int lapack_fault_calls(const char *name)
     return 0;
 }
 
-static void count(const char *name)
+int lapack_fault_lda(const char *name)
+{
+    for (int i = 0; i < NCOUNT && counts[i].name[0]; i++)
+        if (strcmp(counts[i].name, name) == 0)
+            return atomic_load(&counts[i].lda);
+    return 0;
+}
+
+static void count(const char *name, lapack_int lda)
 {
     if (!counting) /* in the daemon (many threads): not counted */
         return;
@@ -58,15 +68,17 @@ static void count(const char *name)
             snprintf(counts[i].name, sizeof counts[i].name, "%s", name);
         if (strcmp(counts[i].name, name) == 0) {
             atomic_fetch_add(&counts[i].n, 1);
+            atomic_store(&counts[i].lda, (int)lda);
             return;
         }
     }
 }
 
-/* The info the spec names for a call of `name` with order n, or 0. */
-static lapack_int fault_info(const char *name, lapack_int n)
+/* The info the spec names for a call of `name` with order n (and A's
+ * leading dimension lda), or 0. */
+static lapack_int fault_info(const char *name, lapack_int n, lapack_int lda)
 {
-    count(name);
+    count(name, lda);
     const char *s = set_spec ? set_spec : getenv("PB_LAPACK_FAULT");
     size_t len = strlen(name);
     while (s && *s) {
@@ -99,14 +111,20 @@ static void *real(const char *name, _Atomic(void *) *slot)
     return f;
 }
 
-/* WRAP(name, n-argument, (parameters), (arguments)) */
+/* WRAP(name, n-argument, (parameters, a and lda among them), (arguments)).
+ * A failing call leaves A (its n columns) overwritten with NaN, as a
+ * driver that fails part way may leave it: a fallback that forgets to
+ * reload A fails its test. */
 #define WRAP(NAME, N, PARAMS, ARGS)                                                                                  \
     lapack_int LAPACKE_##NAME PARAMS                                                                               \
     {                                                                                                              \
         static _Atomic(void *) slot;                                                                               \
-        lapack_int info = fault_info(#NAME, N);                                                                    \
-        if (info)                                                                                                  \
+        lapack_int info = fault_info(#NAME, N, lda);                                                               \
+        if (info) {                                                                                                \
+            if (a && N > 0 && lda > 0)                                                                             \
+                memset(a, 0xff, sizeof *a * (size_t)lda * (size_t)N);                                              \
             return info;                                                                                           \
+        }                                                                                                          \
         lapack_int(*f) PARAMS = (lapack_int(*) PARAMS)real("LAPACKE_" #NAME, &slot);                               \
         return f ARGS;                                                                                             \
     }

@@ -9,5 +9,7 @@ void lapack_fault_set(const char *spec);
 
 /* Calls of the driver NAME ("dgesvd") since the last lapack_fault_set. */
 int lapack_fault_calls(const char *name);
+/* The leading dimension of A that the last of those calls passed. */
+int lapack_fault_lda(const char *name);
 
 #endif

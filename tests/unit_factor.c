@@ -14,7 +14,11 @@
  * degenerate spectra with gauge-invariant losses (and the warning or
  * gauge_dependent for a gauge-dependent cotangent); truncations at rank
  * 0, in between and full, and that their pullback differs from the naive
- * one; every input error. */
+ * one; every input error.  Matrices whose columns take 512 bytes or more
+ * go to LAPACK as padded copies (kernels/factor_common.h): padded_work
+ * checks the leading dimension each driver gets and runs the forward
+ * properties, every op's finite-difference check and the SVD's fallback
+ * on them. */
 #include "kernels/cmplx.h"
 #include <float.h>
 #include <math.h>
@@ -32,6 +36,7 @@
 #include "kernels/factor_common.h"
 #include "kernels/op.h"
 #include "lapack_fault.h"
+#include "on_valgrind.h"
 
 static uint64_t rng = 0x2545F4914F6CDD1Dull;
 static double urand(void)
@@ -288,6 +293,14 @@ static double recon_err(const pb_tensor_t *A, const pb_tensor_t *X, const pb_ten
     return e;
 }
 
+/* A call's outputs and the call itself released. */
+static void call_free(pb_call_t *c)
+{
+    for (int o = 0; o < PB_MAX_IO; o++)
+        pb_tensor_clear(&c->out[o]);
+    pb_call_clear(c);
+}
+
 static void run_forward(pb_call_t *c)
 {
     pb_err_t err = {0};
@@ -296,115 +309,121 @@ static void run_forward(pb_call_t *c)
         fail_msg("%s: %s", c->op->name, err.message);
 }
 
+/* The forward properties of every op for dtype d on m×n, n ∈ {m − 2,
+ * m, m + 4} (the square-only ops on m×m). */
+static void forward_props_at(pb_dtype_t d, int m)
+{
+    const int ns[3] = {m - 2, m, m + 4};
+    for (int s = 0; s < 3; s++) {
+        int n = ns[s], k = m < n ? m : n;
+        char order = s == 1 ? 'F' : 'C';
+        double tol = 200 * eps_of(d) * (m + n);
+        pb_call_t c;
+        char what[64];
+        /* QR / LQ: A = QR, orthonormal Q, R upper with real diag ≥ 0 */
+        const char *qrs[4] = {"qr_compact", "qr_full", "lq_compact", "lq_full"};
+        for (int q = 0; q < 4; q++) {
+            call_init(&c, qrs[q], d, order);
+            make_A(&c.in[0], d, m, n, order, RANDOM);
+            run_forward(&c);
+            snprintf(what, sizeof what, "%s %s %dx%d", qrs[q], pb_dtype_name(d), m, n);
+            bool lq = q >= 2;
+            const pb_tensor_t *Q = &c.out[lq ? 1 : 0], *Rt = &c.out[lq ? 0 : 1];
+            assert_true(recon_err(&c.in[0], &c.out[0], NULL, &c.out[1]) <= tol);
+            assert_true(orth_err(Q, lq) <= tol);
+            for (size_t i = 0; i < rows(Rt); i++)
+                for (size_t j = 0; j < cols(Rt); j++) {
+                    double complex v = get(Rt, i, j);
+                    if ((lq ? j > i : i > j) && cabs(v) != 0)
+                        fail_msg("%s: not triangular at (%zu, %zu)", what, i, j);
+                    if (i == j && !(creal(v) >= 0 && cimag(v) == 0))
+                        fail_msg("%s: diagonal %zu is %g%+gi", what, i, creal(v), cimag(v));
+                }
+            pb_call_clear(&c);
+        }
+        /* null spaces */
+        for (int q = 0; q < 2; q++) {
+            call_init(&c, q ? "lq_null" : "qr_null", d, order);
+            make_A(&c.in[0], d, m, n, order, RANDOM);
+            run_forward(&c);
+            const pb_tensor_t *N = &c.out[0], *A = &c.in[0];
+            assert_int_equal(q ? rows(N) : cols(N), (size_t)((q ? n : m) - k));
+            assert_true(orth_err(N, q) <= tol);
+            for (size_t i = 0; i < (q ? rows(A) : cols(A)); i++)
+                for (size_t j = 0; j < (q ? rows(N) : cols(N)); j++)
+                    assert_true(cabs(q ? dotrow(A, i, N, j, false, true) : dotrow(A, i, N, j, true, false)) <=
+                                tol * 10);
+            pb_call_clear(&c);
+        }
+        /* SVD: A = U·S·Vh, descending S, the gauge */
+        const char *svds[2] = {"svd_compact", "svd_full"};
+        for (int q = 0; q < 2; q++) {
+            call_init(&c, svds[q], d, order);
+            make_A(&c.in[0], d, m, n, order, RANDOM);
+            run_forward(&c);
+            snprintf(what, sizeof what, "%s %s %dx%d", svds[q], pb_dtype_name(d), m, n);
+            assert_true(recon_err(&c.in[0], &c.out[0], &c.out[1], &c.out[2]) <= tol * 10);
+            assert_true(orth_err(&c.out[0], false) <= tol);
+            assert_true(orth_err(&c.out[2], true) <= tol);
+            assert_int_equal(c.out[1].dtype, pb_dtype_real(d));
+            for (int i = 1; i < k; i++)
+                assert_true(creal(get(&c.out[1], (size_t)i - 1, 0)) >= creal(get(&c.out[1], (size_t)i, 0)));
+            check_gauge(&c.out[0], tol, what);
+            pb_call_clear(&c);
+        }
+        /* polar */
+        if (n != m) {
+            bool right = n > m;
+            call_init(&c, right ? "right_polar" : "left_polar", d, order);
+            make_A(&c.in[0], d, m, n, order, RANDOM);
+            run_forward(&c);
+            const pb_tensor_t *W = &c.out[right ? 1 : 0], *P = &c.out[right ? 0 : 1];
+            assert_true(recon_err(&c.in[0], &c.out[0], NULL, &c.out[1]) <= tol * 10);
+            assert_true(orth_err(W, right) <= tol);
+            for (size_t i = 0; i < rows(P); i++)
+                for (size_t j = 0; j < rows(P); j++)
+                    assert_true(cabs(get(P, i, j) - conj(get(P, j, i))) <= tol);
+            pb_call_clear(&c);
+        }
+        if (n != m)
+            continue;
+        /* eigh: A·V = V·D, D ascending and real, gauge */
+        call_init(&c, "eigh_full", d, order);
+        make_A(&c.in[0], d, m, m, order, HERMITIAN);
+        run_forward(&c);
+        snprintf(what, sizeof what, "eigh_full %s", pb_dtype_name(d));
+        assert_int_equal(c.out[0].dtype, pb_dtype_real(d));
+        for (int i = 1; i < m; i++)
+            assert_true(creal(get(&c.out[0], (size_t)i - 1, 0)) <= creal(get(&c.out[0], (size_t)i, 0)));
+        for (size_t i = 0; i < (size_t)m; i++)
+            for (size_t j = 0; j < (size_t)m; j++)
+                assert_true(cabs(dotrow(&c.in[0], i, &c.out[1], j, false, false) -
+                                 get(&c.out[1], i, j) * get(&c.out[0], j, 0)) <= tol * 10);
+        assert_true(orth_err(&c.out[1], false) <= tol);
+        check_gauge(&c.out[1], tol, what);
+        pb_call_clear(&c);
+        /* eig: A·V = V·D, unit columns, gauge, complex outputs */
+        call_init(&c, "eig_full", d, order);
+        make_A(&c.in[0], d, m, m, order, RANDOM);
+        run_forward(&c);
+        snprintf(what, sizeof what, "eig_full %s", pb_dtype_name(d));
+        assert_int_equal(c.out[0].dtype, pb_dtype_complex(d));
+        for (size_t i = 0; i < (size_t)m; i++)
+            for (size_t j = 0; j < (size_t)m; j++)
+                assert_true(cabs(dotrow(&c.in[0], i, &c.out[1], j, false, false) -
+                                 get(&c.out[1], i, j) * get(&c.out[0], j, 0)) <= tol * 20);
+        for (size_t j = 0; j < (size_t)m; j++)
+            assert_true(fabs(creal(dotrow(&c.out[1], j, &c.out[1], j, true, false)) - 1) <= tol);
+        check_gauge(&c.out[1], tol, what);
+        pb_call_clear(&c);
+    }
+}
+
 static void forward_props(void **state)
 {
     (void)state;
-    static const int ns[3] = {17, 19, 23};
     for (int di = 0; di < 4; di++)
-        for (int s = 0; s < 3; s++) {
-            pb_dtype_t d = dtypes[di];
-            int m = 19, n = ns[s], k = m < n ? m : n;
-            char order = s == 1 ? 'F' : 'C';
-            double tol = 200 * eps_of(d) * (m + n);
-            pb_call_t c;
-            char what[64];
-            /* QR / LQ: A = QR, orthonormal Q, R upper with real diag ≥ 0 */
-            const char *qrs[4] = {"qr_compact", "qr_full", "lq_compact", "lq_full"};
-            for (int q = 0; q < 4; q++) {
-                call_init(&c, qrs[q], d, order);
-                make_A(&c.in[0], d, m, n, order, RANDOM);
-                run_forward(&c);
-                snprintf(what, sizeof what, "%s %s %dx%d", qrs[q], pb_dtype_name(d), m, n);
-                bool lq = q >= 2;
-                const pb_tensor_t *Q = &c.out[lq ? 1 : 0], *Rt = &c.out[lq ? 0 : 1];
-                assert_true(recon_err(&c.in[0], &c.out[0], NULL, &c.out[1]) <= tol);
-                assert_true(orth_err(Q, lq) <= tol);
-                for (size_t i = 0; i < rows(Rt); i++)
-                    for (size_t j = 0; j < cols(Rt); j++) {
-                        double complex v = get(Rt, i, j);
-                        if ((lq ? j > i : i > j) && cabs(v) != 0)
-                            fail_msg("%s: not triangular at (%zu, %zu)", what, i, j);
-                        if (i == j && !(creal(v) >= 0 && cimag(v) == 0))
-                            fail_msg("%s: diagonal %zu is %g%+gi", what, i, creal(v), cimag(v));
-                    }
-                pb_call_clear(&c);
-            }
-            /* null spaces */
-            for (int q = 0; q < 2; q++) {
-                call_init(&c, q ? "lq_null" : "qr_null", d, order);
-                make_A(&c.in[0], d, m, n, order, RANDOM);
-                run_forward(&c);
-                const pb_tensor_t *N = &c.out[0], *A = &c.in[0];
-                assert_int_equal(q ? rows(N) : cols(N), (size_t)((q ? n : m) - k));
-                assert_true(orth_err(N, q) <= tol);
-                for (size_t i = 0; i < (q ? rows(A) : cols(A)); i++)
-                    for (size_t j = 0; j < (q ? rows(N) : cols(N)); j++)
-                        assert_true(cabs(q ? dotrow(A, i, N, j, false, true) : dotrow(A, i, N, j, true, false)) <=
-                                    tol * 10);
-                pb_call_clear(&c);
-            }
-            /* SVD: A = U·S·Vh, descending S, the gauge */
-            const char *svds[2] = {"svd_compact", "svd_full"};
-            for (int q = 0; q < 2; q++) {
-                call_init(&c, svds[q], d, order);
-                make_A(&c.in[0], d, m, n, order, RANDOM);
-                run_forward(&c);
-                snprintf(what, sizeof what, "%s %s %dx%d", svds[q], pb_dtype_name(d), m, n);
-                assert_true(recon_err(&c.in[0], &c.out[0], &c.out[1], &c.out[2]) <= tol * 10);
-                assert_true(orth_err(&c.out[0], false) <= tol);
-                assert_true(orth_err(&c.out[2], true) <= tol);
-                assert_int_equal(c.out[1].dtype, pb_dtype_real(d));
-                for (int i = 1; i < k; i++)
-                    assert_true(creal(get(&c.out[1], (size_t)i - 1, 0)) >= creal(get(&c.out[1], (size_t)i, 0)));
-                check_gauge(&c.out[0], tol, what);
-                pb_call_clear(&c);
-            }
-            /* polar */
-            if (n != 19) {
-                bool right = n > m;
-                call_init(&c, right ? "right_polar" : "left_polar", d, order);
-                make_A(&c.in[0], d, m, n, order, RANDOM);
-                run_forward(&c);
-                const pb_tensor_t *W = &c.out[right ? 1 : 0], *P = &c.out[right ? 0 : 1];
-                assert_true(recon_err(&c.in[0], &c.out[0], NULL, &c.out[1]) <= tol * 10);
-                assert_true(orth_err(W, right) <= tol);
-                for (size_t i = 0; i < rows(P); i++)
-                    for (size_t j = 0; j < rows(P); j++)
-                        assert_true(cabs(get(P, i, j) - conj(get(P, j, i))) <= tol);
-                pb_call_clear(&c);
-            }
-            if (n != 19)
-                continue;
-            /* eigh: A·V = V·D, D ascending and real, gauge */
-            call_init(&c, "eigh_full", d, order);
-            make_A(&c.in[0], d, m, m, order, HERMITIAN);
-            run_forward(&c);
-            snprintf(what, sizeof what, "eigh_full %s", pb_dtype_name(d));
-            assert_int_equal(c.out[0].dtype, pb_dtype_real(d));
-            for (int i = 1; i < m; i++)
-                assert_true(creal(get(&c.out[0], (size_t)i - 1, 0)) <= creal(get(&c.out[0], (size_t)i, 0)));
-            for (size_t i = 0; i < (size_t)m; i++)
-                for (size_t j = 0; j < (size_t)m; j++)
-                    assert_true(cabs(dotrow(&c.in[0], i, &c.out[1], j, false, false) -
-                                     get(&c.out[1], i, j) * get(&c.out[0], j, 0)) <= tol * 10);
-            assert_true(orth_err(&c.out[1], false) <= tol);
-            check_gauge(&c.out[1], tol, what);
-            pb_call_clear(&c);
-            /* eig: A·V = V·D, unit columns, gauge, complex outputs */
-            call_init(&c, "eig_full", d, order);
-            make_A(&c.in[0], d, m, m, order, RANDOM);
-            run_forward(&c);
-            snprintf(what, sizeof what, "eig_full %s", pb_dtype_name(d));
-            assert_int_equal(c.out[0].dtype, pb_dtype_complex(d));
-            for (size_t i = 0; i < (size_t)m; i++)
-                for (size_t j = 0; j < (size_t)m; j++)
-                    assert_true(cabs(dotrow(&c.in[0], i, &c.out[1], j, false, false) -
-                                     get(&c.out[1], i, j) * get(&c.out[0], j, 0)) <= tol * 20);
-            for (size_t j = 0; j < (size_t)m; j++)
-                assert_true(fabs(creal(dotrow(&c.out[1], j, &c.out[1], j, true, false)) - 1) <= tol);
-            check_gauge(&c.out[1], tol, what);
-            pb_call_clear(&c);
-        }
+        forward_props_at(dtypes[di], 19);
 }
 
 /* Rank-deficient QR, LQ, SVD: A = randn(m, r)·randn(r, n), r = k − 5. */
@@ -911,9 +930,7 @@ static void lapack_failures(void **state)
                 for (size_t j = 0; j < cols(&ref.out[o]); j++)
                     if (cabs(get(&c.out[o], i, j) - get(&ref.out[o], i, j)) > tol)
                         fail_msg("%s output %d (%zu, %zu): gesvd's differs from gesdd's", pb_dtype_name(d), o, i, j);
-        for (int o = 0; o < PB_MAX_IO; o++)
-            pb_tensor_clear(&c.out[o]);
-        pb_call_clear(&c);
+        call_free(&c);
         /* svd_vals with no tape computes the values alone (gesdd 'N'):
          * the same values as with vectors; when gesdd fails, gesvd's,
          * from A reloaded; both failing is gesvd's error. */
@@ -939,13 +956,9 @@ static void lapack_failures(void **state)
                         fail_msg("%s svd_vals %zu (gesdd %s): %g, with vectors %g", pb_dtype_name(d), i,
                                  fail ? "failed" : "ok", creal(get(&c.out[0], i, 0)), creal(get(&ref.out[1], i, 0)));
             }
-            for (int o = 0; o < PB_MAX_IO; o++)
-                pb_tensor_clear(&c.out[o]);
-            pb_call_clear(&c);
+            call_free(&c);
         }
-        for (int o = 0; o < PB_MAX_IO; o++)
-            pb_tensor_clear(&ref.out[o]);
-        pb_call_clear(&ref);
+        call_free(&ref);
         /* both fail: numerical_error with gesvd's info, for every op
          * through the SVD */
         snprintf(spec, sizeof spec, "%cgesdd=4,%cgesvd=2", L, L);
@@ -988,9 +1001,7 @@ static void lapack_failures(void **state)
         assert_lapack_error(reverse_with(&c, cot, grad, &w, &err), &err, "getrf", 2);
         assert_non_null(strstr(err.message, "defective"));
         pb_tensor_clear(&cot[1]);
-        for (int o = 0; o < PB_MAX_IO; o++)
-            pb_tensor_clear(&c.out[o]);
-        pb_call_clear(&c);
+        call_free(&c);
         /* and qr_null's Cholesky of R₁R₁ᴴ, for a rank-deficient A */
         snprintf(spec, sizeof spec, "%cpotrf=1", L);
         lapack_fault_set(spec);
@@ -1001,9 +1012,119 @@ static void lapack_failures(void **state)
         set(&cot[0], 4, 1, 1.0);
         assert_lapack_error(reverse_with(&c, cot, grad, &w, &err), &err, "potrf", 1);
         pb_tensor_clear(&cot[0]);
-        for (int o = 0; o < PB_MAX_IO; o++)
-            pb_tensor_clear(&c.out[o]);
-        pb_call_clear(&c);
+        call_free(&c);
+    }
+    lapack_fault_set("");
+}
+
+/* LAPACK's leading dimension for m rows of dtype d, as factor_common.h
+ * states it: an odd number of 64-byte lines from 512 bytes a column. */
+static int padded_ld(pb_dtype_t d, int m)
+{
+    size_t es = pb_dtype_size(d), bytes = (size_t)m * es, lines = (bytes + 63) / 64;
+    return bytes < 512 ? m : (int)((lines | 1) * 64 / es);
+}
+
+static void expect_lda(const char *driver, pb_dtype_t d, int m, const char *what)
+{
+    static const char letters[4] = {'d', 'z', 's', 'c'}; /* as dtypes[] */
+    char name[16];
+    int di = 0;
+    while (dtypes[di] != d)
+        di++;
+    snprintf(name, sizeof name, "%c%s", letters[di], driver);
+    if (lapack_fault_calls(name) == 0 || lapack_fault_lda(name) != padded_ld(d, m))
+        fail_msg("%s: %s called %d times, last with lda %d (%d rows: want %d)", what, name, lapack_fault_calls(name),
+                 lapack_fault_lda(name), m, padded_ld(d, m));
+}
+
+/* Matrices whose columns take 512 bytes or more, which LAPACK's drivers
+ * get as padded copies (FZ(pad)): the leading dimension each driver is
+ * given, and every op through them: the forward properties, the pullback
+ * against finite differences, svd_vals without a tape, and the SVD's
+ * gesvd fallback. */
+static void padded_work(void **state)
+{
+    (void)state;
+    assert_int_equal(pb__fz_lapack_ld_d(1024), 1032);
+    assert_int_equal(pb__fz_lapack_ld_d(1000), 1000); /* 125 lines already */
+    assert_int_equal(pb__fz_lapack_ld_d(63), 63);
+    assert_int_equal(pb__fz_lapack_ld_d(64), 72);
+    assert_int_equal(pb__fz_lapack_ld_s(1024), 1040);
+    assert_int_equal(pb__fz_lapack_ld_z(512), 516);
+    assert_int_equal(pb__fz_lapack_ld_c(100), 104);
+    assert_int_equal(pb__fz_lapack_ld_c(0), 1);
+    for (int di = 0; di < 4; di++) {
+        pb_dtype_t d = dtypes[di];
+        int mp = 512 / (int)pb_dtype_size(d) + 1; /* the fewest rows padded */
+        char what[96], spec[64];
+        lapack_fault_set("");
+        /* Under valgrind (run_all's memcheck stage, some fifty times
+         * slower) f32 and c64 skip the forward properties and the
+         * finite-difference checks: their instances are the same code as
+         * f64's and c128's, whose runs cover the memory they touch, and
+         * the release run checks their numbers. */
+        bool all = !(RUNNING_ON_VALGRIND && single(d));
+        if (all)
+            forward_props_at(d, mp + 2);
+        for (size_t o = 0; all && o < sizeof all_ops / sizeof all_ops[0]; o++) {
+            const char *name = all_ops[o];
+            bool wide = strcmp(name, "right_polar") == 0 || (strcmp(name, "left_polar") != 0 && o % 2);
+            int m = wide ? mp : mp + 3, n = square_only(name) ? m : wide ? mp + 3 : mp;
+            char order = (o + (size_t)di) % 2 ? 'F' : 'C';
+            pb_call_t c;
+            call_init(&c, name, d, order);
+            make_A(&c.in[0], d, m, n, order, is_eigh(name) ? HERMITIAN : RANDOM);
+            if (strstr(name, "trunc"))
+                set_opt(&c, "maxrank", 7);
+            snprintf(what, sizeof what, "%s %s %dx%d %c", name, pb_dtype_name(d), m, n, order);
+            lapack_fault_set("");
+            fd_check(&c, what);
+            if (strncmp(name, "qr", 2) == 0 || strcmp(name, "lq_null") == 0) { /* lq_null: qr_null of Aᴴ */
+                expect_lda("geqrf", d, name[0] == 'l' ? n : m, what);
+                expect_lda(cplx(d) ? "ungqr" : "orgqr", d, name[0] == 'l' ? n : m, what);
+            } else if (strncmp(name, "lq", 2) == 0)
+                expect_lda("gelqf", d, m, what);
+            else if (strncmp(name, "svd", 3) == 0 || strstr(name, "polar"))
+                expect_lda("gesdd", d, m, what);
+            else if (is_eigh(name)) /* syevd and heevd gain nothing: unpadded */
+                assert_int_equal(lapack_fault_lda(cplx(d) ? (single(d) ? "cheevd" : "zheevd")
+                                                          : (single(d) ? "ssyevd" : "dsyevd")),
+                                 m);
+            else
+                expect_lda("geev", d, m, what);
+            pb_call_clear(&c);
+        }
+        /* svd_vals without a tape (gesdd without vectors), and the gesvd
+         * fallback of both, against svd_compact's values */
+        int m = mp + 3, n = mp;
+        uint64_t saved = rng;
+        pb_call_t ref, c;
+        call_init(&ref, "svd_compact", d, 'F');
+        make_A(&ref.in[0], d, m, n, 'F', RANDOM);
+        run_forward(&ref);
+        double tol = 100 * eps_of(d) * m * creal(get(&ref.out[1], 0, 0));
+        for (int fail = 0; fail < 2; fail++)
+            for (int vals = 0; vals < 2; vals++) {
+                rng = saved;
+                call_init(&c, vals ? "svd_vals" : "svd_compact", d, 'F');
+                c.taped = !vals;
+                make_A(&c.in[0], d, m, n, 'F', RANDOM);
+                snprintf(spec, sizeof spec, "%cgesdd=4", di == 0 ? 'd' : di == 1 ? 'z' : di == 2 ? 's' : 'c');
+                lapack_fault_set(fail ? spec : "");
+                run_forward(&c);
+                snprintf(what, sizeof what, "%s %s %dx%d%s", vals ? "svd_vals" : "svd_compact", pb_dtype_name(d), m,
+                         n, fail ? ", gesdd failing" : "");
+                expect_lda(fail ? "gesvd" : "gesdd", d, m, what);
+                for (int i = 0; i < n; i++)
+                    if (cabs(get(&c.out[vals ? 0 : 1], (size_t)i, 0) - get(&ref.out[1], (size_t)i, 0)) > tol)
+                        fail_msg("%s: S_%d %g, gesdd with vectors %g", what, i,
+                                 creal(get(&c.out[vals ? 0 : 1], (size_t)i, 0)), creal(get(&ref.out[1], (size_t)i, 0)));
+                if (!vals)
+                    assert_true(recon_err(&c.in[0], &c.out[0], &c.out[1], &c.out[2]) <= tol * 10);
+                call_free(&c);
+            }
+        call_free(&ref);
     }
     lapack_fault_set("");
 }
@@ -1095,6 +1216,7 @@ int main(void)
         cmocka_unit_test(degenerate_eigh), cmocka_unit_test(degenerate_svd),  cmocka_unit_test(truncations),
         cmocka_unit_test(trunc_not_naive), cmocka_unit_test(errors),          cmocka_unit_test(zero_size),
         cmocka_unit_test(tape_sizes),      cmocka_unit_test(qr_blocks),       cmocka_unit_test(lapack_failures),
+        cmocka_unit_test(padded_work),
         cmocka_unit_test(table_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -22,21 +22,13 @@
 #include <cmocka.h>
 #include <lapacke.h>
 
-#if defined(__has_include)
-#if __has_include(<valgrind/valgrind.h>)
-#include <valgrind/valgrind.h>
-#endif
-#endif
-#ifndef RUNNING_ON_VALGRIND
-#define RUNNING_ON_VALGRIND 0
-#endif
-
 #include "kernels/act.h"
 #include "kernels/blas.h"
 #include "kernels/cmplx.h"
 #include "kernels/op.h"
 #include "kernels/par.h"
 #include "kernels/strided.h"
+#include "on_valgrind.h"
 
 #define NHELPERS 3
 
