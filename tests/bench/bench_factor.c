@@ -7,7 +7,11 @@
  *                    orgqr, eigh_full: syevd/heevd, svd_compact: gesdd,
  *                    eig_full: geev; left_polar: gesdd, and the GEMM
  *                    W = U·Vh and the SYRK/HERK P = (S^½Vh)ᴴ(S^½Vh) that
- *                    turn the SVD into the polar factors)
+ *                    turn the SVD into the polar factors).  The bare
+ *                    calls get the matrix as it lies (leading dimension
+ *                    m); the op pads it from 512 bytes a column
+ *                    (kernels/factor_common.h), so a ratio below 1 at
+ *                    1024 rows is that padding's gain
  *   reverse ratio  = reverse (random cotangents for every output) ÷ the
  *                    op's own forward
  * Targets: forward ≤ 1.15; reverse ≤ 1.0 for eigh, svd and qr.  Shapes:
