@@ -5,8 +5,8 @@
  * The tape keeps D and V (eig_vals: V only). */
 
 /* A = V·diag(D)·V⁻¹ through geev (A overwritten); D and V complex (CT),
- * m×m, as geev gives them (unit-norm columns).  fz_eig_finish then fixes
- * order and phases. */
+ * m×m, as geev gives them (unit-norm columns); V NULL: the values alone
+ * (about half the work).  fz_eig_finish then fixes order and phases. */
 static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
 {
     if (m == 0)
@@ -16,27 +16,28 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
     T *P = FZ(pad)(A, m, m, true, &ld);
     if (P == NULL)
         return PB_ENOMEM;
+    const char jobv = V ? 'V' : 'N';
 #if CPLX
-    int ldv;
-    T *Vp = FZ(pad)(V, m, m, false, &ldv);
-    info = Vp ? LAPACK(geev)(LAPACK_COL_MAJOR, 'N', 'V', m, P, ld, D, NULL, 1, Vp, ldv) : 0;
+    int ldv = 1;
+    T *Vp = V ? FZ(pad)(V, m, m, false, &ldv) : NULL;
+    info = Vp || !V ? LAPACK(geev)(LAPACK_COL_MAJOR, 'N', jobv, m, P, ld, D, NULL, 1, Vp, ldv) : 0;
     FZ(unpad)(P, ld, A, m, m, false);
-    if (Vp == NULL)
+    if (V && Vp == NULL)
         return PB_ENOMEM;
     FZ(unpad)(Vp, ldv, V, m, m, info == 0);
     if (info)
         return FZ(lapack_fail)("geev", info, err);
 #else
     RT *wr = FZ(ralloc)((size_t)m), *wi = FZ(ralloc)((size_t)m);
-    T *VR = FZ(zalloc)((size_t)ld * m);
-    if (wr == NULL || wi == NULL || VR == NULL) {
+    T *VR = V ? FZ(zalloc)((size_t)ld * m) : NULL;
+    if (wr == NULL || wi == NULL || (V && VR == NULL)) {
         pb_mem_free(wr);
         pb_mem_free(wi);
         pb_mem_free(VR);
         FZ(unpad)(P, ld, A, m, m, false);
         return PB_ENOMEM;
     }
-    info = LAPACK(geev)(LAPACK_COL_MAJOR, 'N', 'V', m, P, ld, wr, wi, NULL, 1, VR, ld);
+    info = LAPACK(geev)(LAPACK_COL_MAJOR, 'N', jobv, m, P, ld, wr, wi, NULL, 1, VR, V ? ld : 1);
     FZ(unpad)(P, ld, A, m, m, false);
     if (info == 0)
         /* a conjugate pair is stored as the real and imaginary parts of
@@ -45,13 +46,13 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
             D[j] = (CT)CMPLX(wr[j], wi[j]);
             if (wi[j] != 0 && j + 1 < m) {
                 D[j + 1] = (CT)CMPLX(wr[j + 1], wi[j + 1]);
-                for (int i = 0; i < m; i++) {
+                for (int i = 0; V && i < m; i++) {
                     E(V, m, i, j) = (CT)CMPLX(E(VR, ld, i, j), E(VR, ld, i, j + 1));
                     E(V, m, i, j + 1) = (CT)CMPLX(E(VR, ld, i, j), -E(VR, ld, i, j + 1));
                 }
                 j++;
             } else
-                for (int i = 0; i < m; i++)
+                for (int i = 0; V && i < m; i++)
                     E(V, m, i, j) = E(VR, ld, i, j);
         }
     pb_mem_free(wr);
@@ -65,12 +66,13 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
 
 #if CPLX
 /* Normalise eig's vectors: unit norm, eigenvalues sorted by real part then
- * imaginary part (exact ties keep geev's order), phases fixed. */
+ * imaginary part (exact ties keep geev's order), phases fixed; V NULL: the
+ * values alone, sorted. */
 static int FN(eig_finish)(T *D, T *V, int m)
 {
     int *idx = pb_mem_alloc(sizeof(int) * (size_t)(m ? m : 1));
-    T *D2 = FZ(zalloc)((size_t)m), *V2 = FZ(zalloc)((size_t)m * m);
-    if (idx == NULL || D2 == NULL || V2 == NULL) {
+    T *D2 = FZ(zalloc)((size_t)m), *V2 = V ? FZ(zalloc)((size_t)m * m) : NULL;
+    if (idx == NULL || D2 == NULL || (V && V2 == NULL)) {
         pb_mem_free(idx);
         pb_mem_free(D2);
         pb_mem_free(V2);
@@ -89,6 +91,8 @@ static int FN(eig_finish)(T *D, T *V, int m)
         }
     for (int j = 0; j < m; j++) {
         D2[j] = D[idx[j]];
+        if (V == NULL)
+            continue;
         double nrm = 0;
         for (int i = 0; i < m; i++)
             nrm += RE(E(V, m, i, idx[j]) * CONJ(E(V, m, i, idx[j])));
@@ -97,8 +101,10 @@ static int FN(eig_finish)(T *D, T *V, int m)
             E(V2, m, i, j) = (T)(nrm > 0 ? E(V, m, i, idx[j]) / nrm : E(V, m, i, idx[j]));
     }
     memcpy(D, D2, (size_t)m * sizeof(T));
-    memcpy(V, V2, (size_t)m * m * sizeof(T));
-    FZ(fix_phases)(V, m, m, NULL);
+    if (V) {
+        memcpy(V, V2, (size_t)m * m * sizeof(T));
+        FZ(fix_phases)(V, m, m, NULL);
+    }
     pb_mem_free(idx);
     pb_mem_free(D2);
     pb_mem_free(V2);
@@ -177,9 +183,15 @@ static int FN(eig_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor_
                        pb_err_t *err)
 {
     const int m = (int)c->in[0].shape[0];
-    CT *D = FZC(newmat)(&sv[0], m, -1), *V = FZC(newmat)(&sv[1], m, m);
     int rc = PB_ENOMEM;
     (void)op;
+    if (c->op->variant == FZ_VALS && !c->taped) { /* no tape to make: the values alone */
+        CT *D = FZC(newmat)(&o[0], m, -1);
+        if (D && (rc = FN(eig_geev)(A, m, D, NULL, err)) == 0)
+            rc = PB_CAT(eig_finish, CSFX)(D, NULL, m);
+        return rc;
+    }
+    CT *D = FZC(newmat)(&sv[0], m, -1), *V = FZC(newmat)(&sv[1], m, m);
     if (D && V && (rc = FN(eig_geev)(A, m, D, V, err)) == 0 && (rc = PB_CAT(eig_finish, CSFX)(D, V, m)) == 0) {
         pb_tensor_ref(&o[0], &sv[0]);
         if (c->op->variant == FZ_FULL)

@@ -12,7 +12,8 @@
  * zgesdd call returns 3) or "dgesdd/7=5,dgesvd/7=2" (only calls whose
  * order n, the column count, is 7).  lapack_fault_calls(NAME) counts the
  * calls of NAME since the last lapack_fault_set, lapack_fault_lda(NAME)
- * the leading dimension of A its last call passed. */
+ * the leading dimension of A its last call passed and lapack_fault_job(NAME)
+ * the job argument that asks for vectors (jobz, jobu or jobvr). */
 #define _GNU_SOURCE
 #include "lapack_fault.h"
 
@@ -29,7 +30,7 @@ static int counting;          /* set by lapack_fault_set: single-threaded tests 
 #define NCOUNT 64
 static struct {
     char name[16];
-    atomic_int n, lda;
+    atomic_int n, lda, job;
 } counts[NCOUNT];
 
 void lapack_fault_set(const char *spec)
@@ -40,6 +41,7 @@ void lapack_fault_set(const char *spec)
         counts[i].name[0] = 0;
         atomic_store(&counts[i].n, 0);
         atomic_store(&counts[i].lda, 0);
+        atomic_store(&counts[i].job, 0);
     }
 }
 
@@ -59,7 +61,15 @@ int lapack_fault_lda(const char *name)
     return 0;
 }
 
-static void count(const char *name, lapack_int lda)
+char lapack_fault_job(const char *name)
+{
+    for (int i = 0; i < NCOUNT && counts[i].name[0]; i++)
+        if (strcmp(counts[i].name, name) == 0)
+            return (char)atomic_load(&counts[i].job);
+    return 0;
+}
+
+static void count(const char *name, lapack_int lda, char job)
 {
     if (!counting) /* in the daemon (many threads): not counted */
         return;
@@ -69,16 +79,17 @@ static void count(const char *name, lapack_int lda)
         if (strcmp(counts[i].name, name) == 0) {
             atomic_fetch_add(&counts[i].n, 1);
             atomic_store(&counts[i].lda, (int)lda);
+            atomic_store(&counts[i].job, job);
             return;
         }
     }
 }
 
 /* The info the spec names for a call of `name` with order n (and A's
- * leading dimension lda), or 0. */
-static lapack_int fault_info(const char *name, lapack_int n, lapack_int lda)
+ * leading dimension lda, its job argument), or 0. */
+static lapack_int fault_info(const char *name, lapack_int n, lapack_int lda, char job)
 {
-    count(name, lda);
+    count(name, lda, job);
     const char *s = set_spec ? set_spec : getenv("PB_LAPACK_FAULT");
     size_t len = strlen(name);
     while (s && *s) {
@@ -111,43 +122,44 @@ static void *real(const char *name, _Atomic(void *) *slot)
     return f;
 }
 
-/* WRAP(name, n-argument, (parameters, a and lda among them), (arguments)).
+/* WRAP(name, n-argument, job argument (the one that asks for vectors) or
+ * 0, (parameters, a and lda among them), (arguments)).
  * A failing call leaves A (its n columns) overwritten with NaN, as a
  * driver that fails part way may leave it: a fallback that forgets to
  * reload A fails its test. */
-#define WRAP(NAME, N, PARAMS, ARGS)                                                                                  \
-    lapack_int LAPACKE_##NAME PARAMS                                                                               \
-    {                                                                                                              \
-        static _Atomic(void *) slot;                                                                               \
-        lapack_int info = fault_info(#NAME, N, lda);                                                               \
-        if (info) {                                                                                                \
-            if (a && N > 0 && lda > 0)                                                                             \
-                memset(a, 0xff, sizeof *a * (size_t)lda * (size_t)N);                                              \
-            return info;                                                                                           \
-        }                                                                                                          \
-        lapack_int(*f) PARAMS = (lapack_int(*) PARAMS)real("LAPACKE_" #NAME, &slot);                               \
-        return f ARGS;                                                                                             \
+#define WRAP(NAME, N, JOB, PARAMS, ARGS)                                                                              \
+    lapack_int LAPACKE_##NAME PARAMS                                                                                  \
+    {                                                                                                                 \
+        static _Atomic(void *) slot;                                                                                  \
+        lapack_int info = fault_info(#NAME, N, lda, JOB);                                                             \
+        if (info) {                                                                                                   \
+            if (a && N > 0 && lda > 0)                                                                                \
+                memset(a, 0xff, sizeof *a * (size_t)lda * (size_t)N);                                                 \
+            return info;                                                                                              \
+        }                                                                                                             \
+        lapack_int(*f) PARAMS = (lapack_int(*) PARAMS)real("LAPACKE_" #NAME, &slot);                                  \
+        return f ARGS;                                                                                                \
     }
 
-#define SVD_FAMILY(L, T, RT)                                                                                         \
-    WRAP(L##gesdd, n,                                                                                              \
-         (int layout, char jobz, lapack_int m, lapack_int n, T *a, lapack_int lda, RT *s, T *u, lapack_int ldu,    \
-          T *vt, lapack_int ldvt),                                                                                 \
-         (layout, jobz, m, n, a, lda, s, u, ldu, vt, ldvt))                                                        \
-    WRAP(L##gesvd, n,                                                                                              \
-         (int layout, char jobu, char jobvt, lapack_int m, lapack_int n, T *a, lapack_int lda, RT *s, T *u,        \
-          lapack_int ldu, T *vt, lapack_int ldvt, RT *superb),                                                     \
-         (layout, jobu, jobvt, m, n, a, lda, s, u, ldu, vt, ldvt, superb))                                         \
-    WRAP(L##geqrf, n, (int layout, lapack_int m, lapack_int n, T *a, lapack_int lda, T *tau),                      \
-         (layout, m, n, a, lda, tau))                                                                              \
-    WRAP(L##gelqf, n, (int layout, lapack_int m, lapack_int n, T *a, lapack_int lda, T *tau),                      \
-         (layout, m, n, a, lda, tau))                                                                              \
-    WRAP(L##potrf, n, (int layout, char uplo, lapack_int n, T *a, lapack_int lda), (layout, uplo, n, a, lda))      \
-    WRAP(L##getrf, n, (int layout, lapack_int m, lapack_int n, T *a, lapack_int lda, lapack_int *ipiv),            \
+#define SVD_FAMILY(L, T, RT)                                                                                          \
+    WRAP(L##gesdd, n, jobz,                                                                                           \
+         (int layout, char jobz, lapack_int m, lapack_int n, T *a, lapack_int lda, RT *s, T *u, lapack_int ldu,       \
+          T *vt, lapack_int ldvt),                                                                                    \
+         (layout, jobz, m, n, a, lda, s, u, ldu, vt, ldvt))                                                           \
+    WRAP(L##gesvd, n, jobu,                                                                                           \
+         (int layout, char jobu, char jobvt, lapack_int m, lapack_int n, T *a, lapack_int lda, RT *s, T *u,           \
+          lapack_int ldu, T *vt, lapack_int ldvt, RT *superb),                                                        \
+         (layout, jobu, jobvt, m, n, a, lda, s, u, ldu, vt, ldvt, superb))                                            \
+    WRAP(L##geqrf, n, 0, (int layout, lapack_int m, lapack_int n, T *a, lapack_int lda, T *tau),                      \
+         (layout, m, n, a, lda, tau))                                                                                 \
+    WRAP(L##gelqf, n, 0, (int layout, lapack_int m, lapack_int n, T *a, lapack_int lda, T *tau),                      \
+         (layout, m, n, a, lda, tau))                                                                                 \
+    WRAP(L##potrf, n, 0, (int layout, char uplo, lapack_int n, T *a, lapack_int lda), (layout, uplo, n, a, lda))      \
+    WRAP(L##getrf, n, 0, (int layout, lapack_int m, lapack_int n, T *a, lapack_int lda, lapack_int *ipiv),            \
          (layout, m, n, a, lda, ipiv))
 
-#define Q_FAMILY(NAME, T)                                                                                            \
-    WRAP(NAME, n, (int layout, lapack_int m, lapack_int n, lapack_int k, T *a, lapack_int lda, const T *tau),      \
+#define Q_FAMILY(NAME, T)                                                                                             \
+    WRAP(NAME, n, 0, (int layout, lapack_int m, lapack_int n, lapack_int k, T *a, lapack_int lda, const T *tau),      \
          (layout, m, n, k, a, lda, tau))
 
 SVD_FAMILY(s, float, float)
@@ -163,31 +175,31 @@ Q_FAMILY(dorglq, double)
 Q_FAMILY(cunglq, lapack_complex_float)
 Q_FAMILY(zunglq, lapack_complex_double)
 
-WRAP(ssyevd, n, (int layout, char jobz, char uplo, lapack_int n, float *a, lapack_int lda, float *w),
+WRAP(ssyevd, n, jobz, (int layout, char jobz, char uplo, lapack_int n, float *a, lapack_int lda, float *w),
      (layout, jobz, uplo, n, a, lda, w))
-WRAP(dsyevd, n, (int layout, char jobz, char uplo, lapack_int n, double *a, lapack_int lda, double *w),
+WRAP(dsyevd, n, jobz, (int layout, char jobz, char uplo, lapack_int n, double *a, lapack_int lda, double *w),
      (layout, jobz, uplo, n, a, lda, w))
-WRAP(cheevd, n,
+WRAP(cheevd, n, jobz,
      (int layout, char jobz, char uplo, lapack_int n, lapack_complex_float *a, lapack_int lda, float *w),
      (layout, jobz, uplo, n, a, lda, w))
-WRAP(zheevd, n,
+WRAP(zheevd, n, jobz,
      (int layout, char jobz, char uplo, lapack_int n, lapack_complex_double *a, lapack_int lda, double *w),
      (layout, jobz, uplo, n, a, lda, w))
 
-WRAP(sgeev, n,
+WRAP(sgeev, n, jobvr,
      (int layout, char jobvl, char jobvr, lapack_int n, float *a, lapack_int lda, float *wr, float *wi, float *vl,
       lapack_int ldvl, float *vr, lapack_int ldvr),
      (layout, jobvl, jobvr, n, a, lda, wr, wi, vl, ldvl, vr, ldvr))
-WRAP(dgeev, n,
+WRAP(dgeev, n, jobvr,
      (int layout, char jobvl, char jobvr, lapack_int n, double *a, lapack_int lda, double *wr, double *wi,
       double *vl, lapack_int ldvl, double *vr, lapack_int ldvr),
      (layout, jobvl, jobvr, n, a, lda, wr, wi, vl, ldvl, vr, ldvr))
-WRAP(cgeev, n,
+WRAP(cgeev, n, jobvr,
      (int layout, char jobvl, char jobvr, lapack_int n, lapack_complex_float *a, lapack_int lda,
       lapack_complex_float *w, lapack_complex_float *vl, lapack_int ldvl, lapack_complex_float *vr,
       lapack_int ldvr),
      (layout, jobvl, jobvr, n, a, lda, w, vl, ldvl, vr, ldvr))
-WRAP(zgeev, n,
+WRAP(zgeev, n, jobvr,
      (int layout, char jobvl, char jobvr, lapack_int n, lapack_complex_double *a, lapack_int lda,
       lapack_complex_double *w, lapack_complex_double *vl, lapack_int ldvl, lapack_complex_double *vr,
       lapack_int ldvr),

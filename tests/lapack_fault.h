@@ -11,5 +11,8 @@ void lapack_fault_set(const char *spec);
 int lapack_fault_calls(const char *name);
 /* The leading dimension of A that the last of those calls passed. */
 int lapack_fault_lda(const char *name);
+/* Its job argument that asks for vectors ('V', 'N', 'S'; 0 for the drivers
+ * without one). */
+char lapack_fault_job(const char *name);
 
 #endif

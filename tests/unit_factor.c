@@ -1129,6 +1129,62 @@ static void padded_work(void **state)
     lapack_fault_set("");
 }
 
+/* eigh_vals, eig_vals and svd_vals without a tape compute the values
+ * alone (their drivers without vectors): the same values as with a tape,
+ * to rounding, through the driver's job 'N'. */
+static void values_alone(void **state)
+{
+    (void)state;
+    static const char *const ops[3] = {"eigh_vals", "eig_vals", "svd_vals"};
+    for (int di = 0; di < 4; di++)
+        for (int o = 0; o < 3; o++) {
+            pb_dtype_t d = dtypes[di];
+            bool eig = o == 1;
+            /* 40 rows and, from 512 bytes a column, more: padded too */
+            int m = di % 2 ? 40 : 512 / (int)pb_dtype_size(d) + 3, n = o == 2 ? m - 3 : m;
+            char drv[16], what[96];
+            snprintf(drv, sizeof drv, "%c%s", "dzsc"[di], o == 0 ? (cplx(d) ? "heevd" : "syevd") : eig ? "geev" : "gesdd");
+            pb_call_t c[2];
+            uint64_t saved = rng;
+            for (int taped = 0; taped < 2; taped++) {
+                rng = saved;
+                call_init(&c[taped], ops[o], d, 'F');
+                c[taped].taped = taped;
+                make_A(&c[taped].in[0], d, m, n, 'F', o == 0 ? HERMITIAN : RANDOM);
+                lapack_fault_set("");
+                run_forward(&c[taped]);
+                snprintf(what, sizeof what, "%s %s %dx%d%s", ops[o], pb_dtype_name(d), m, n, taped ? "" : " untaped");
+                char want = taped ? (o == 2 ? 'S' : 'V') : 'N';
+                if (lapack_fault_calls(drv) != 1 || lapack_fault_job(drv) != want)
+                    fail_msg("%s: %s called %d times, last with job %c (want once with %c)", what, drv,
+                             lapack_fault_calls(drv), lapack_fault_job(drv) ? lapack_fault_job(drv) : '0', want);
+                if (o != 0)
+                    expect_lda(eig ? "geev" : "gesdd", d, m, what);
+            }
+            const pb_tensor_t *v0 = &c[0].out[0], *v1 = &c[1].out[0];
+            assert_int_equal(rows(v0), rows(v1));
+            assert_int_equal(v0->dtype, v1->dtype);
+            double big = 0;
+            for (size_t i = 0; i < rows(v1); i++)
+                big = fmax(big, cabs(get(v1, i, 0)));
+            /* eig's values of a random A move by cond·eps: a looser bound */
+            double tol = (eig ? 1e4 : 100) * eps_of(d) * m * big;
+            for (size_t i = 0; i < rows(v1); i++)
+                if (cabs(get(v0, i, 0) - get(v1, i, 0)) > tol)
+                    fail_msg("%s %s: value %zu %g%+gi untaped, %g%+gi taped", ops[o], pb_dtype_name(d), i,
+                             creal(get(v0, i, 0)), cimag(get(v0, i, 0)), creal(get(v1, i, 0)), cimag(get(v1, i, 0)));
+            if (eig && !cplx(d)) /* a real A's pairs exactly conjugate, negative imaginary part first */
+                for (size_t i = 0; i + 1 < rows(v0); i++)
+                    if (cimag(get(v0, i, 0)) < 0) {
+                        assert_true(get(v0, i + 1, 0) == conj(get(v0, i, 0)));
+                        i++;
+                    }
+            call_free(&c[0]);
+            call_free(&c[1]);
+        }
+    lapack_fault_set("");
+}
+
 /* Zero-size matrices give zero-size outputs and gradients. */
 static void zero_size(void **state)
 {
@@ -1217,6 +1273,7 @@ int main(void)
         cmocka_unit_test(trunc_not_naive), cmocka_unit_test(errors),          cmocka_unit_test(zero_size),
         cmocka_unit_test(tape_sizes),      cmocka_unit_test(qr_blocks),       cmocka_unit_test(lapack_failures),
         cmocka_unit_test(padded_work),
+        cmocka_unit_test(values_alone),
         cmocka_unit_test(table_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
