@@ -87,17 +87,16 @@ int FZ(qr_factor)(T *A, int m, int n, int nq, T *Q, T *Rm, pb_err_t *err)
         for (int j = 0; j < n; j++)
             for (int i = 0; i <= j && i < k; i++)
                 E(Rm, nr, i, j) = E(P, ld, i, j);
-        if (k == 0)
-            for (int j = 0; j < nq; j++)
-                E(Qp, ldq, j, j) = 1;
-        else {
+        if (k > 0)
             FZ(copy)(Qp, ldq, P, ld, m, k);
-            if ((info = ORGQR(LAPACK_COL_MAJOR, m, nq, k, Qp, ldq, tau)))
-                rc = FZ(lapack_fail)(CPLX ? "ungqr" : "orgqr", info, err);
-        }
     }
+    FZ(unpad)(P, ld, A, m, n, false); /* done with: not held through orgqr */
+    if (rc == 0 && k == 0)
+        for (int j = 0; j < nq; j++)
+            E(Qp, ldq, j, j) = 1;
+    else if (rc == 0 && (info = ORGQR(LAPACK_COL_MAJOR, m, nq, k, Qp, ldq, tau)))
+        rc = FZ(lapack_fail)(CPLX ? "ungqr" : "orgqr", info, err);
     pb_mem_free(tau);
-    FZ(unpad)(P, ld, A, m, n, false);
     FZ(unpad)(Qp, ldq, Q, m, nq, rc == 0);
     if (rc)
         return rc;
@@ -216,17 +215,16 @@ static int FN(lq_factor)(T *A, int m, int n, int nl, T *L, T *Q, pb_err_t *err)
         for (int j = 0; j < k; j++)
             for (int i = j; i < m; i++)
                 E(L, m, i, j) = E(P, ld, i, j);
-        if (k == 0)
-            for (int i = 0; i < nl; i++)
-                E(Qp, ldq, i, i) = 1;
-        else {
+        if (k > 0)
             FZ(copy)(Qp, ldq, P, ld, k, n);
-            if ((info = ORGLQ(LAPACK_COL_MAJOR, nl, n, k, Qp, ldq, tau)))
-                rc = FZ(lapack_fail)(CPLX ? "unglq" : "orglq", info, err);
-        }
     }
+    FZ(unpad)(P, ld, A, m, n, false); /* done with: not held through orglq */
+    if (rc == 0 && k == 0)
+        for (int i = 0; i < nl; i++)
+            E(Qp, ldq, i, i) = 1;
+    else if (rc == 0 && (info = ORGLQ(LAPACK_COL_MAJOR, nl, n, k, Qp, ldq, tau)))
+        rc = FZ(lapack_fail)(CPLX ? "unglq" : "orglq", info, err);
     pb_mem_free(tau);
-    FZ(unpad)(P, ld, A, m, n, false);
     FZ(unpad)(Qp, ldq, Q, nl, n, rc == 0);
     if (rc)
         return rc;
