@@ -38,9 +38,10 @@
  * rows.  Measured in process on 1024² f64 (Haswell kernels, one thread):
  * gesdd without vectors 197 → 151 ms, with them 427 → 347, geev 955-1077
  * → 583-589, geqrf 48 → 39; syevd gains nothing and is left as it is.
- * The price is memory while a driver runs: one more copy of A (none for
- * the SVD with vectors, which copied A already) and of the vectors LAPACK
- * writes (U and Vh, Q, V), each freed as soon as it is copied out.
+ * The price is memory while a driver runs: a copy of A for QR and LQ
+ * (svd_vals and eig pad the forward's work array in place, the SVD with
+ * vectors copied A already) and of the vectors LAPACK writes (U and Vh,
+ * Q, V), each freed as soon as it is copied out.
  *
  * Functions return 0 or a negative PB_E* code; PB_ENOMEM may come back
  * without err filled (the family's entry point says "out of memory in

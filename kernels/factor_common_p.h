@@ -22,6 +22,10 @@ int FZ(lapack_ld)(int m);
  * it; both do nothing to P when P is M. */
 T *FZ(pad)(T *M, int m, int n, bool copy, int *ld);
 void FZ(unpad)(T *P, int ld, T *M, int m, int n, bool copy);
+/* The m×n matrix A (leading dimension m) moved in place to leading
+ * dimension FZ(lapack_ld)(m), which it returns: A must have room for
+ * that many columns' worth (the forward's work array has). */
+int FZ(pad_here)(T *A, int m, int n);
 /* c = alpha·op(a)·op(b) + beta·c, op 'N', 'T' or 'C'. */
 void FZ(gemm)(char ta, char tb, int m, int n, int k, T alpha, const T *a, int lda, const T *b, int ldb, T beta, T *c,
               int ldc);
@@ -72,9 +76,10 @@ int FZ(qr_factor)(T *A, int m, int n, int nq, T *Q, T *Rm, pb_err_t *err);
  * the matching phase. */
 int FZ(svd_factor)(const T *A, int m, int n, T *U, RT *S, T *Vh, pb_err_t *err);
 
-/* A family's forward, given A (m×n, column-major, its to overwrite) and
- * the resolved options: outputs into o[], what the tape keeps into sv[]
- * (factor_common.h's pb__fz_finish orders and stores them). */
+/* A family's forward, given A (m×n, column-major, its to overwrite, with
+ * room to be padded in place by FZ(pad_here)) and the resolved options:
+ * outputs into o[], what the tape keeps into sv[] (factor_common.h's
+ * pb__fz_finish orders and stores them). */
 typedef int FZ(factor_fn)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor_t *o, pb_tensor_t *sv,
                           pb_err_t *err);
 /* A family's pullback: dA (m×n, zeroed) += the gradient from the

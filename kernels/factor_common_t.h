@@ -40,6 +40,15 @@ T *FZ(pad)(T *M, int m, int n, bool copy, int *ld)
     return P;
 }
 
+int FZ(pad_here)(T *A, int m, int n)
+{
+    int ld = FZ(lapack_ld)(m);
+    /* last column first: each moves up, past what is still to move */
+    for (int j = n - 1; j > 0 && ld > m; j--)
+        memmove(A + (size_t)j * (size_t)ld, A + (size_t)j * (size_t)m, (size_t)m * sizeof(T));
+    return ld;
+}
+
 void FZ(unpad)(T *P, int ld, T *M, int m, int n, bool copy)
 {
     if (P == M || P == NULL)
@@ -198,7 +207,7 @@ static int FN(input)(const pb_call_t *c, pb_tapedata_t *tape, T **A, fz_opts_t *
 {
     const pb_tensor_t *At = &c->in[0];
     const int m = (int)At->shape[0], n = (int)At->shape[1], k = m < n ? m : n;
-    T *a = FZ(zalloc)((size_t)m * n);
+    T *a = FZ(zalloc)((size_t)FZ(lapack_ld)(m) * n); /* room to pad in place (FZ(pad_here)) */
     if (a == NULL)
         return pb_err_set(err, PB_ENOMEM, NULL, "out of memory in %s", c->op->name);
     FZ(load)(At, a, m, n);

@@ -4,24 +4,21 @@
  * runs, in the complex instance (dtype_t.h instantiates c and z first).
  * The tape keeps D and V (eig_vals: V only). */
 
-/* A = V·diag(D)·V⁻¹ through geev (A overwritten); D and V complex (CT),
- * m×m, as geev gives them (unit-norm columns); V NULL: the values alone
- * (about half the work).  fz_eig_finish then fixes order and phases. */
+/* A = V·diag(D)·V⁻¹ through geev (A, the forward's work array, padded in
+ * place and overwritten); D and V complex (CT), m×m, as geev gives them
+ * (unit-norm columns); V NULL: the values alone (about half the work).
+ * fz_eig_finish then fixes order and phases. */
 static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
 {
     if (m == 0)
         return 0;
     lapack_int info;
-    int ld; /* A and V through LAPACK's leading dimension (FZ(pad)) */
-    T *P = FZ(pad)(A, m, m, true, &ld);
-    if (P == NULL)
-        return PB_ENOMEM;
-    const char jobv = V ? 'V' : 'N';
+    int ld = FZ(pad_here)(A, m, m); /* A and V through LAPACK's leading dimension */
+        const char jobv = V ? 'V' : 'N';
 #if CPLX
     int ldv = 1;
     T *Vp = V ? FZ(pad)(V, m, m, false, &ldv) : NULL;
-    info = Vp || !V ? LAPACK(geev)(LAPACK_COL_MAJOR, 'N', jobv, m, P, ld, D, NULL, 1, Vp, ldv) : 0;
-    FZ(unpad)(P, ld, A, m, m, false);
+    info = Vp || !V ? LAPACK(geev)(LAPACK_COL_MAJOR, 'N', jobv, m, A, ld, D, NULL, 1, Vp, ldv) : 0;
     if (V && Vp == NULL)
         return PB_ENOMEM;
     FZ(unpad)(Vp, ldv, V, m, m, info == 0);
@@ -34,11 +31,9 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
         pb_mem_free(wr);
         pb_mem_free(wi);
         pb_mem_free(VR);
-        FZ(unpad)(P, ld, A, m, m, false);
         return PB_ENOMEM;
     }
-    info = LAPACK(geev)(LAPACK_COL_MAJOR, 'N', jobv, m, P, ld, wr, wi, NULL, 1, VR, V ? ld : 1);
-    FZ(unpad)(P, ld, A, m, m, false);
+    info = LAPACK(geev)(LAPACK_COL_MAJOR, 'N', jobv, m, A, ld, wr, wi, NULL, 1, VR, V ? ld : 1);
     if (info == 0)
         /* a conjugate pair is stored as the real and imaginary parts of
          * the first vector in two adjacent columns */

@@ -214,8 +214,8 @@ static int FN(svd_decompose)(const T *A, int m, int n, bool full, pb_tensor_t *s
 }
 
 /* svd_vals with no tape to make: the values alone (gesdd without vectors
- * does about half the work), A overwritten; gesvd from A reloaded when
- * gesdd does not converge. */
+ * does about half the work), A padded in place and overwritten; gesvd
+ * from A reloaded when gesdd does not converge. */
 static int FN(svd_values)(const pb_call_t *c, T *A, int m, int n, pb_tensor_t *o, pb_err_t *err)
 {
     const int k = m < n ? m : n;
@@ -224,23 +224,17 @@ static int FN(svd_values)(const pb_call_t *c, T *A, int m, int n, pb_tensor_t *o
         return PB_ENOMEM;
     if (k == 0)
         return 0;
-    int ld;
-    T *P = FZ(pad)(A, m, n, true, &ld);
-    if (P == NULL)
-        return PB_ENOMEM;
-    lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'N', m, n, P, ld, S, NULL, 1, NULL, 1);
+    int ld = FZ(pad_here)(A, m, n);
+    lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'N', m, n, A, ld, S, NULL, 1, NULL, 1);
     if (info > 0) {
         RT *superb = FZ(ralloc)((size_t)k);
-        if (superb == NULL) {
-            FZ(unpad)(P, ld, A, m, n, false);
+        if (superb == NULL)
             return PB_ENOMEM;
-        }
         FZ(load)(&c->in[0], A, m, n);
-        FZ(copy)(P, ld, A, m, m, n);
-        info = LAPACK(gesvd)(LAPACK_COL_MAJOR, 'N', 'N', m, n, P, ld, S, NULL, 1, NULL, 1, superb);
+        FZ(pad_here)(A, m, n);
+        info = LAPACK(gesvd)(LAPACK_COL_MAJOR, 'N', 'N', m, n, A, ld, S, NULL, 1, NULL, 1, superb);
         pb_mem_free(superb);
     }
-    FZ(unpad)(P, ld, A, m, n, false);
     return info ? FZ(lapack_fail)(info > 0 ? "gesvd" : "gesdd", info, err) : 0;
 }
 
