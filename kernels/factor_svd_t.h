@@ -19,13 +19,15 @@ int FZ(svd_factor)(const T *A, int m, int n, T *U, RT *S, T *Vh, pb_err_t *err)
     int rc = PB_ENOMEM;
     if (W && ph && Up && Vp && superb) {
         FZ(copy)(W, ldw, A, m, m, n);
+        const char *drv = "gesdd"; /* the driver whose info is reported */
         lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'S', m, n, W, ldw, S, Up, ldu, Vp, ldv);
         if (info > 0) {
             FZ(copy)(W, ldw, A, m, m, n);
+            drv = "gesvd";
             info = LAPACK(gesvd)(LAPACK_COL_MAJOR, 'S', 'S', m, n, W, ldw, S, Up, ldu, Vp, ldv, superb);
         }
         if (info)
-            rc = FZ(lapack_fail)(info > 0 ? "gesvd" : "gesdd", info, err);
+            rc = FZ(lapack_fail)(drv, info, err);
         else
             rc = 0;
     }
@@ -225,8 +227,10 @@ static int FN(svd_values)(const pb_call_t *c, T *A, int m, int n, pb_tensor_t *o
     if (k == 0)
         return 0;
     int ld = FZ(pad_here)(A, m, n);
+    const char *drv = "gesdd"; /* the driver whose info is reported */
     lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'N', m, n, A, ld, S, NULL, 1, NULL, 1);
     if (info > 0) {
+        drv = "gesvd";
         RT *superb = FZ(ralloc)((size_t)k);
         if (superb == NULL)
             return PB_ENOMEM;
@@ -235,7 +239,7 @@ static int FN(svd_values)(const pb_call_t *c, T *A, int m, int n, pb_tensor_t *o
         info = LAPACK(gesvd)(LAPACK_COL_MAJOR, 'N', 'N', m, n, A, ld, S, NULL, 1, NULL, 1, superb);
         pb_mem_free(superb);
     }
-    return info ? FZ(lapack_fail)(info > 0 ? "gesvd" : "gesdd", info, err) : 0;
+    return info ? FZ(lapack_fail)(drv, info, err) : 0;
 }
 
 static int FN(svd_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor_t *o, pb_tensor_t *sv,

@@ -971,6 +971,15 @@ static void lapack_failures(void **state)
                                 "gesvd", 2);
             assert_string_equal(err.arg, "inputs.A");
         }
+        /* gesvd rejecting an argument after gesdd failed: gesvd's error */
+        snprintf(spec, sizeof spec, "%cgesdd=4,%cgesvd=-3", L, L);
+        lapack_fault_set(spec);
+        for (int vals = 0; vals < 2; vals++) {
+            assert_int_equal(forward_rc(vals ? "svd_vals" : "svd_compact", d, 7, 5, RANDOM, -1, &err), PB_EINTERNAL);
+            snprintf(name, sizeof name, "%cgesvd", L);
+            if (strstr(err.message, name) == NULL || strstr(err.message, "rejected argument 3") == NULL)
+                fail_msg("%s: %s", vals ? "svd_vals" : "svd_compact", err.message);
+        }
         /* the eigensolvers */
         snprintf(spec, sizeof spec, "%c%s=3", L, cplx(d) ? "heevd" : "syevd");
         lapack_fault_set(spec);
