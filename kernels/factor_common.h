@@ -31,8 +31,8 @@
  * Every matrix is column-major with its leading dimension equal to its
  * row count (E(M, ld, i, j)); 0-size dimensions are allowed and every work
  * array has room for at least one element.  The one exception is what
- * LAPACK's drivers work on (FZ(pad)): from 512 bytes a column, a copy
- * whose columns are an odd number of 64-byte lines apart.  A stride that
+ * LAPACK's drivers work on (FZ(pad), FZ(pad_here)): from 512 bytes a
+ * column, the columns an odd number of 64-byte lines apart.  A stride that
  * is a multiple of a large power of two (1024 f64 rows: 8 KiB) puts the
  * entries of a row in the same few cache sets, and the reductions walk
  * rows.  Measured in process on 1024² f64 (Haswell kernels, one thread):
