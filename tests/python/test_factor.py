@@ -156,6 +156,50 @@ class FactorTest(DaemonCase):
             self.close(np.linalg.norm(out["V"], axis=0), np.ones(6), dtype, 1, "eig unit columns")
             self.close(self.c.forward("eig_vals", {"A": A})["D"], w, dtype, 1, "eig_vals")
 
+    def test_padded_sizes_against_numpy(self):
+        """Columns of 512 bytes and more, which LAPACK gets padded (and the
+        values-only forwards of svd_vals, eigh_vals and eig_vals, which run
+        the drivers without vectors): against numpy, and the gradients of
+        svd_vals and eigh_vals against numpy's differences."""
+        for dtype in DTYPES:
+            n0 = 512 // np.dtype(dtype).itemsize + 3  # f32 131, f64 and c64 67, c128 35
+            real = np.float32 if dtype in (np.float32, np.complex64) else np.float64
+            for m, n in [(n0, n0 - 4), (n0 - 4, n0)]:
+                A = self.rand((m, n), dtype, "F" if m > n else "C")
+                An = A.astype(np.complex128)
+                s = float(np.max(np.abs(An)))
+                out = self.c.forward("qr_compact", {"A": A})
+                q, r = np.linalg.qr(An)
+                ph = np.diag(r) / np.abs(np.diag(r))
+                self.close(out["Q"], q * ph, dtype, n0, f"qr Q {dtype} {m}x{n}")
+                self.close(out["R"], np.conj(ph)[:, None] * r, dtype, s * n0, f"qr R {dtype} {m}x{n}")
+                out = self.c.forward("lq_compact", {"A": A})
+                self.close(out["L"] @ out["Q"], An, dtype, s * n0, f"lq LQ {dtype} {m}x{n}")
+                sv = np.linalg.svd(An, compute_uv=False)
+                out = self.c.forward("svd_compact", {"A": A})
+                self.close(out["S"], sv, dtype, s * n0, f"svd S {dtype} {m}x{n}")
+                self.close(out["U"] * out["S"] @ out["Vh"], An, dtype, s * n0, f"svd USVh {dtype} {m}x{n}")
+                self.close(self.c.forward("svd_vals", {"A": A})["S"], sv, dtype, s * n0, f"svd_vals {dtype} {m}x{n}")
+            H = self.herm(n0, dtype)
+            w = np.linalg.eigvalsh(H.astype(np.complex128))
+            self.close(self.c.forward("eigh_full", {"A": H})["D"], w, dtype, n0, f"eigh D {dtype}")
+            self.close(self.c.forward("eigh_vals", {"A": H})["D"], w, dtype, n0, f"eigh_vals {dtype}")
+            A = self.rand((n0, n0), dtype)
+            w = np.linalg.eigvals(A.astype(np.complex128 if cx(dtype) else np.float64)).astype(np.complex128)
+            w = w[np.lexsort((w.imag, w.real))]
+            scale = float(np.max(np.abs(w))) * n0
+            out = self.c.forward("eig_full", {"A": A})
+            self.close(out["D"], w, dtype, scale, f"eig D {dtype}")
+            self.close(A.astype(np.complex128) @ out["V"], out["V"] * out["D"], dtype, scale, f"eig AV = VD {dtype}")
+            self.close(self.c.forward("eig_vals", {"A": A})["D"], w, dtype, scale, f"eig_vals {dtype}")
+            wts = self.rng.standard_normal(n0 - 4)
+            A = self.rand((n0, n0 - 4), dtype)
+            self.grad_check("svd_vals", A, lambda X: float(wts @ np.linalg.svd(X, compute_uv=False)), dtype,
+                            {"S": wts.astype(real)}, what=f"svd_vals {dtype} padded")
+            wts = self.rng.standard_normal(n0)
+            self.grad_check("eigh_vals", H, lambda X: float(wts @ np.linalg.eigvalsh((X + X.conj().T) / 2)), dtype,
+                            {"D": wts.astype(real)}, herm=True, what=f"eigh_vals {dtype} padded")
+
     # ---- gradients of gauge-invariant losses written in numpy ----
 
     def test_gradients_against_numpy(self):
