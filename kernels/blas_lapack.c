@@ -9,9 +9,10 @@
  * Each is pb_gemm_cm: a large GEMM splits across idle pool threads
  * (kernels/par.h), exactly as the kernels' own do, and its result does not
  * depend on how many are idle (blas.c); a small product is the one CBLAS
- * call OpenBLAS's own entry point would make.  Measured in process on 1024² f64, one helper lending
- * itself (time with ÷ without, two runs): geqrf 0.73, gesdd with vectors
- * 0.90-0.93, syevd 0.83-0.85, geev 0.99, gesdd values only 0.99.
+ * call OpenBLAS's own entry point would make.  Measured in process on
+ * 1024² f64, one helper lending itself (time with ÷ without, two runs):
+ * geqrf 0.73, gesdd with vectors 0.90-0.93, syevd 0.83-0.85, geev 0.99,
+ * gesdd values only 0.99.
  *
  * Each ?gemv_ is pb_gemv_cm: a double or complex GEMV of 64 Ki elements
  * or more splits along y at boundaries where OpenBLAS's kernels give

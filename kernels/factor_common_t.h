@@ -14,10 +14,10 @@ RT *FZ(ralloc)(size_t n)
 
 int FZ(lapack_ld)(int m)
 {
-    size_t lines = ((size_t)LD(m) * sizeof(T) + 63) / 64;
-    if ((size_t)m * sizeof(T) < 512)
+    size_t bytes = (size_t)m * sizeof(T);
+    if (bytes < 512)
         return LD(m);
-    size_t ld = (lines | 1) * 64 / sizeof(T);
+    size_t ld = (((bytes + 63) / 64) | 1) * 64 / sizeof(T);
     return ld > INT_MAX ? m : (int)ld;
 }
 

@@ -14,13 +14,13 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
         return 0;
     lapack_int info;
     int ld = FZ(pad_here)(A, m, m); /* A and V through LAPACK's leading dimension */
-        const char jobv = V ? 'V' : 'N';
+    const char jobv = V ? 'V' : 'N';
 #if CPLX
     int ldv = 1;
     T *Vp = V ? FZ(pad)(V, m, m, false, &ldv) : NULL;
-    info = Vp || !V ? LAPACK(geev)(LAPACK_COL_MAJOR, 'N', jobv, m, A, ld, D, NULL, 1, Vp, ldv) : 0;
     if (V && Vp == NULL)
         return PB_ENOMEM;
+    info = LAPACK(geev)(LAPACK_COL_MAJOR, 'N', jobv, m, A, ld, D, NULL, 1, Vp, ldv);
     FZ(unpad)(Vp, ldv, V, m, m, info == 0);
     if (info)
         return FZ(lapack_fail)("geev", info, err);
@@ -34,22 +34,20 @@ static int FN(eig_geev)(T *A, int m, CT *D, CT *V, pb_err_t *err)
         return PB_ENOMEM;
     }
     info = LAPACK(geev)(LAPACK_COL_MAJOR, 'N', jobv, m, A, ld, wr, wi, NULL, 1, VR, V ? ld : 1);
-    if (info == 0)
-        /* a conjugate pair is stored as the real and imaginary parts of
-         * the first vector in two adjacent columns */
-        for (int j = 0; j < m; j++) {
-            D[j] = (CT)CMPLX(wr[j], wi[j]);
-            if (wi[j] != 0 && j + 1 < m) {
-                D[j + 1] = (CT)CMPLX(wr[j + 1], wi[j + 1]);
-                for (int i = 0; V && i < m; i++) {
-                    E(V, m, i, j) = (CT)CMPLX(E(VR, ld, i, j), E(VR, ld, i, j + 1));
-                    E(V, m, i, j + 1) = (CT)CMPLX(E(VR, ld, i, j), -E(VR, ld, i, j + 1));
-                }
-                j++;
-            } else
-                for (int i = 0; V && i < m; i++)
-                    E(V, m, i, j) = E(VR, ld, i, j);
-        }
+    for (int j = 0; info == 0 && j < m; j++)
+        D[j] = (CT)CMPLX(wr[j], wi[j]);
+    /* a conjugate pair is stored as the real and imaginary parts of the
+     * first vector in two adjacent columns */
+    for (int j = 0; info == 0 && V && j < m; j++)
+        if (wi[j] != 0 && j + 1 < m) {
+            for (int i = 0; i < m; i++) {
+                E(V, m, i, j) = (CT)CMPLX(E(VR, ld, i, j), E(VR, ld, i, j + 1));
+                E(V, m, i, j + 1) = (CT)CMPLX(E(VR, ld, i, j), -E(VR, ld, i, j + 1));
+            }
+            j++;
+        } else
+            for (int i = 0; i < m; i++)
+                E(V, m, i, j) = E(VR, ld, i, j);
     pb_mem_free(wr);
     pb_mem_free(wi);
     pb_mem_free(VR);

@@ -62,8 +62,7 @@ static void FN(triu_mul_upper)(int n, const T *D, int ldd, const T *R, int ldr, 
     FN(triu_mul_upper)(n1, D, ldd, R, ldr, C, ldc, work);
     FN(gemm_upper)('N', 'C', n1, n2, one, D12, ldd, R12, ldr, C, ldc);
     /* C₁₂ += D₁₂·R₂₂ᴴ: the TRMM works in place, so on a copy of D₁₂ */
-    for (int j = 0; j < n2; j++)
-        memcpy(work + (size_t)j * n1, D12 + (size_t)j * ldd, (size_t)n1 * sizeof(T));
+    FZ(copy)(work, n1, D12, ldd, n1, n2);
     CBLAS(trmm)(CblasColMajor, CblasRight, CblasUpper, CblasConjTrans, CblasNonUnit, n1, n2, SCAL(one), R12 + n1,
                 LD(ldr), work, LD(n1));
     for (int j = 0; j < n2; j++)

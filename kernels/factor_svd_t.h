@@ -120,9 +120,7 @@ static int FN(svd_pullback)(const T *U, int m, int nu, const RT *S, int k, const
             FZ(gemm)('N', 'N', m, r, r, mone, U, m, X, r, one, dUr, m);
     }
     if (dVh) {
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < r; i++)
-                E(dVr, r, i, j) = E(dVh, nv, i, j);
+        FZ(copy)(dVr, r, dVh, nv, r, n);
         if (cv > 0) { /* completion rows Vh[k:, :] */
             const T *V2 = Vh + k, *dV2 = dVh + k;
             FZ(gemm)('N', 'C', cv, cv, n, one, V2, nv, dV2, nv, zero, C, cv);

@@ -55,6 +55,8 @@ static double nrand(void)
 static const pb_dtype_t dtypes[4] = {PB_F64, PB_C128, PB_F32, PB_C64};
 static bool cplx(pb_dtype_t d) { return d == PB_C64 || d == PB_C128; }
 static bool single(pb_dtype_t d) { return d == PB_F32 || d == PB_C64; }
+/* The first letter of LAPACK's driver names for dtype d. */
+static char lp_letter(pb_dtype_t d) { return d == PB_F32 ? 's' : d == PB_F64 ? 'd' : d == PB_C64 ? 'c' : 'z'; }
 static double eps_of(pb_dtype_t d) { return single(d) ? FLT_EPSILON : DBL_EPSILON; }
 
 /* Element (i, j) of a rank-2 tensor (or i of a vector), either order. */
@@ -901,12 +903,11 @@ static void assert_lapack_error(int rc, const pb_err_t *err, const char *driver,
 static void lapack_failures(void **state)
 {
     (void)state;
-    static const char letters[4] = {'d', 'z', 's', 'c'}; /* as dtypes[] */
     char spec[128], name[16];
     pb_err_t err = {0};
     for (int di = 0; di < 4; di++) {
         pb_dtype_t d = dtypes[di];
-        char L = letters[di];
+        char L = lp_letter(d);
         /* gesdd fails: the SVD comes from gesvd, the same as gesdd's */
         uint64_t saved = rng;
         pb_call_t ref, c;
@@ -1036,12 +1037,8 @@ static int padded_ld(pb_dtype_t d, int m)
 
 static void expect_lda(const char *driver, pb_dtype_t d, int m, const char *what)
 {
-    static const char letters[4] = {'d', 'z', 's', 'c'}; /* as dtypes[] */
     char name[16];
-    int di = 0;
-    while (dtypes[di] != d)
-        di++;
-    snprintf(name, sizeof name, "%c%s", letters[di], driver);
+    snprintf(name, sizeof name, "%c%s", lp_letter(d), driver);
     if (lapack_fault_calls(name) == 0 || lapack_fault_lda(name) != padded_ld(d, m))
         fail_msg("%s: %s called %d times, last with lda %d (%d rows: want %d)", what, name, lapack_fault_calls(name),
                  lapack_fault_lda(name), m, padded_ld(d, m));
@@ -1119,7 +1116,7 @@ static void padded_work(void **state)
                 call_init(&c, vals ? "svd_vals" : "svd_compact", d, 'F');
                 c.taped = !vals;
                 make_A(&c.in[0], d, m, n, 'F', RANDOM);
-                snprintf(spec, sizeof spec, "%cgesdd=4", di == 0 ? 'd' : di == 1 ? 'z' : di == 2 ? 's' : 'c');
+                snprintf(spec, sizeof spec, "%cgesdd=4", lp_letter(d));
                 lapack_fault_set(fail ? spec : "");
                 run_forward(&c);
                 snprintf(what, sizeof what, "%s %s %dx%d%s", vals ? "svd_vals" : "svd_compact", pb_dtype_name(d), m,
@@ -1152,7 +1149,8 @@ static void values_alone(void **state)
             /* 40 rows and, from 512 bytes a column, more: padded too */
             int m = di % 2 ? 40 : 512 / (int)pb_dtype_size(d) + 3, n = o == 2 ? m - 3 : m;
             char drv[16], what[96];
-            snprintf(drv, sizeof drv, "%c%s", "dzsc"[di], o == 0 ? (cplx(d) ? "heevd" : "syevd") : eig ? "geev" : "gesdd");
+            snprintf(drv, sizeof drv, "%c%s", lp_letter(d),
+                     o == 0 ? (cplx(d) ? "heevd" : "syevd") : eig ? "geev" : "gesdd");
             pb_call_t c[2];
             uint64_t saved = rng;
             for (int taped = 0; taped < 2; taped++) {
@@ -1220,7 +1218,8 @@ static void zero_size(void **state)
                 fail_msg("%s on %dx%d: %s", all_ops[o], m, n, err.message);
             assert_int_equal(pb_tensor_count(&grad[0]), (size_t)(m * n));
             /* the full Q of an empty A: the identity */
-            bool full_q = (strcmp(all_ops[o], "qr_full") == 0 && n == 0) || (strcmp(all_ops[o], "lq_full") == 0 && m == 0);
+            bool full_q =
+                (strcmp(all_ops[o], "qr_full") == 0 && n == 0) || (strcmp(all_ops[o], "lq_full") == 0 && m == 0);
             const pb_tensor_t *Q = &c.out[strncmp(all_ops[o], "qr", 2) == 0 ? 0 : 1];
             for (size_t i = 0; full_q && i < rows(Q); i++)
                 for (size_t j = 0; j < cols(Q); j++)
