@@ -161,7 +161,10 @@ int pb_check_run(pb_call_t *c, uint64_t seed, double *max_rel, double per_input[
         } else
             for (size_t i = 0; i < ncomp(x); i++)
                 amax = fmax(amax, fabs(comp_get(x, i)));
-        double h = (c->op->fd_step > 0 ? c->op->fd_step : 1e-3) * fmax(1.0, amax), l[4];
+        /* The step is relative to the input's size: an absolute floor would
+         * step past an input of 1e-20 altogether and report a correct rule
+         * wrong. */
+        double h = (c->op->fd_step > 0 ? c->op->fd_step : 1e-3) * (amax > 0 ? amax : 1.0), l[4];
         const double ts[4] = {h, -h, 2 * h, -2 * h};
         for (int j = 0; j < 4 && rc == 0; j++)
             rc = loss_at(c, hd, k, ts[j], &dir, cot, &l[j], err);

@@ -3,6 +3,8 @@
  * dtype).  The gauge-free outputs need no finite-difference projection. */
 #include "factor_common.h"
 
+#include <float.h>
+
 #define PB_T_BODY "factor_polar_t.h"
 #include "dtype_t.h"
 

@@ -146,8 +146,15 @@ static int FN(polar_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const 
     }
     if (right && (dAa = FZ(zalloc)((size_t)mm * nn)) == NULL)
         goto out;
-    rc = FN(polar_pullback)(pb_tensor_data(s0), mm, nn, pb_tensor_data(s1), pb_tensor_data(s2), right ? c2 : c0, c1,
-                            right ? dAa : dA, op->rank_atol);
+    /* Terms dividing by Sᵢ + Sⱼ or Sⱼ are dropped below rank_atol, but never
+     * above eps^¾·S₁: the contract's default rank_atol, eps(max|A_ij|)^¾,
+     * passes every singular value of a well-conditioned A of 1e-60 and
+     * would zero its gradient. */
+    const RT *S = pb_tensor_data(s2);
+    double tol = fmin(op->rank_atol, pow(DT == PB_F32 || DT == PB_C64 ? FLT_EPSILON : DBL_EPSILON, 0.75) *
+                                         (nn > 0 ? (double)S[0] : 0.0));
+    rc = FN(polar_pullback)(pb_tensor_data(s0), mm, nn, pb_tensor_data(s1), S, right ? c2 : c0, c1, right ? dAa : dA,
+                            tol);
     if (right && rc == 0)
         FZ(adjoint)(dAa, mm, nn, dA);
 out:

@@ -237,6 +237,37 @@ static void qr_blocks(void **state)
         }
 }
 
+/* Scale: polar has no rank in the contract, so a well-conditioned A of
+ * 1e-60 (1e-24 in single precision) keeps its whole pullback, though the
+ * default rank_atol, eps(max|A_ij|)^¾, lies above all its singular values
+ * there; and pb_check_run steps relative to the input, so svd_vals (exact
+ * at any scale) checks at 1e-20 as at 1 (an absolute step of 1e-6 was 1e14
+ * times A). */
+static void tiny_scales(void **state)
+{
+    (void)state;
+    for (int di = 0; di < 4; di++) {
+        pb_dtype_t d = dtypes[di];
+        static const char *const ops[] = {"left_polar", "right_polar", "svd_vals"};
+        for (size_t o = 0; o < sizeof ops / sizeof ops[0]; o++) {
+            bool right = o == 1, vals = o == 2;
+            double scale = vals ? 1e-20 : single(d) ? 1e-24 : 1e-60;
+            int m = right ? 5 : 7, n = right ? 7 : 5;
+            char order = di % 2 ? 'F' : 'C';
+            pb_call_t c;
+            call_init(&c, ops[o], d, order);
+            make_A(&c.in[0], d, m, n, order, RANDOM);
+            for (size_t i = 0; i < (size_t)m; i++)
+                for (size_t j = 0; j < (size_t)n; j++)
+                    set(&c.in[0], i, j, get(&c.in[0], i, j) * scale);
+            char what[96];
+            snprintf(what, sizeof what, "%s %s %dx%d at %g", ops[o], pb_dtype_name(d), m, n, scale);
+            fd_check(&c, what);
+            pb_call_clear(&c);
+        }
+    }
+}
+
 /* ---- forward properties ---- */
 
 /* max |X·Y − Z| over entries, X (a×b), Y (b×c) tensors; Y may be a vector
@@ -1291,7 +1322,7 @@ int main(void)
         cmocka_unit_test(degenerate_eigh), cmocka_unit_test(degenerate_svd),  cmocka_unit_test(truncations),
         cmocka_unit_test(trunc_not_naive), cmocka_unit_test(errors),          cmocka_unit_test(zero_size),
         cmocka_unit_test(tape_sizes),      cmocka_unit_test(qr_blocks),       cmocka_unit_test(lapack_failures),
-        cmocka_unit_test(padded_work),
+        cmocka_unit_test(padded_work),     cmocka_unit_test(tiny_scales),
         cmocka_unit_test(values_alone),
         cmocka_unit_test(table_rows),
     };
