@@ -81,6 +81,16 @@ static void run_check(pb_job_t *j)
     r->rc = pb_check_run(&x->call, x->seed, &x->max_rel, x->per_input, &r->err);
 }
 
+/* A check makes no tape (pb_check_run keeps its own) and took no count. */
+static void check_done(pb_job_t *j)
+{
+    pb_req_t *r = (pb_req_t *)j;
+    int broken = check_broken(r);
+    if (broken)
+        r->rc = broken;
+    answer(r);
+}
+
 static void forward_done(pb_job_t *j)
 {
     pb_req_t *r = (pb_req_t *)j;
@@ -159,7 +169,7 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
                 : kind == PB_CALL_AUGMENTED ? pb__enc_augmented
                                             : pb__enc_check;
     r->job.run = kind == PB_CALL_CHECK ? run_check : run_forward;
-    r->job.done = forward_done;
+    r->job.done = kind == PB_CALL_CHECK ? check_done : forward_done;
     /* A check runs the op about 4·|wrt| + 2 times. */
     double cost = x->call.cost * (kind == PB_CALL_CHECK ? 4.0 * x->call.op->nwrt + 2 : 1);
     pb__req_submit(r, cost, x->call.device);

@@ -239,6 +239,19 @@ class FactorTest(DaemonCase):
                       ("right_polar", self.rand((3, 6), np.complex128))]:
             r = self.c.check(op, {"A": A}, wrt=["A"], seed=3)
             self.assertLessEqual(r["max_rel_err"], 1e-6, op)
+            # The step follows the input's size: a correct rule checks at 1e-20 as at 1.
+            r = self.c.check(op, {"A": A * 1e-20}, wrt=["A"], seed=3)
+            self.assertLessEqual(r["max_rel_err"], 1e-6, f"{op} at 1e-20")
+        # A check that fails leaves the connection as it was: it made no
+        # tape and takes none from the count (the count once wrapped below
+        # zero, and every augmented_forward after was refused).
+        with self.assertRaises(PullbackError) as e:
+            self.c.check("svd_compact", {"A": np.full((3, 3), np.nan)}, wrt=["A"])
+        self.assertEqual(e.exception.code, "numerical_error")
+        out, tape = self.c.augmented_forward("svd_vals", {"A": self.rand((4, 3), np.float64)}, wrt=["A"])
+        self.assertEqual(self.c.stats()["tapes"], 1)
+        self.c.reverse(tape, {"S": np.ones(3)})
+        self.assertEqual(self.c.stats()["tapes"], 0)
 
     def test_trunc_and_tape(self):
         A = self.rand((9, 7), np.float64)
