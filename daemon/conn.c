@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -290,7 +291,7 @@ void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
 void pb__conn_resume(pb_conn_t *c)
 {
     pb__conn_unstarve(c);
-    if (!c->paused && !c->closing && !c->close_after_flush && !c->last_read)
+    if (!c->paused && !c->closing && !c->close_after_flush && !c->last_read && !c->eof)
         uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
 }
 
@@ -307,6 +308,35 @@ static bool blocked(const pb_conn_t *c)
     const pb_config_t *cfg = c->set->cfg;
     return c->inflight >= cfg->max_inflight_per_connection ||
            c->pending_write + c->reserved > cfg->max_queued_bytes_per_connection;
+}
+
+/* After the client's shutdown(SHUT_WR) (nc -N, a one-shot script): once
+ * every complete message it sent is taken (none is left behind a
+ * back-pressure pause) and answered, the replies are flushed and the
+ * connection closes.  Bytes of a message it never finished are dropped. */
+static void eof_check(pb_conn_t *c)
+{
+    if (!c->eof || c->closing || c->close_after_flush || c->last_read || c->processing || blocked(c))
+        return;
+    if (c->drain_left > 0) { /* nothing more of it can come: it holds no drain */
+        c->drain_left = 0;
+        c->set->cb.on_idle(c->set->cb.data);
+    }
+    if (c->inflight > 0 || c->closing)
+        return;
+    c->close_after_flush = true;
+    mark_dirty(c);
+}
+
+/* EOF on a socket whose peer still reads: it shut only its writing side
+ * (a peer that closed shows POLLHUP). */
+static bool half_closed(pb_conn_t *c)
+{
+    uv_os_fd_t fd;
+    if (uv_fileno((uv_handle_t *)&c->pipe, &fd) != 0)
+        return false;
+    struct pollfd p = {.fd = fd, .events = POLLOUT};
+    return poll(&p, 1, 0) == 1 && !(p.revents & (POLLHUP | POLLERR));
 }
 
 static void process(pb_conn_t *c)
@@ -352,10 +382,12 @@ static void process(pb_conn_t *c)
             c->paused = true;
         } else if (!stop && c->paused) {
             c->paused = false;
-            uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
+            if (!c->eof)
+                uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);
         }
     }
     c->processing = false;
+    eof_check(c);
     /* Draining, look again whenever this connection no longer holds the
      * drain (pb_conns_drained): its last message from before the stop was
      * taken (which may start no request and write nothing: a dropped
@@ -377,6 +409,11 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
     if (nread == UV_ENOBUFS && c->want_memory) {
         c->want_memory = false;
         pb__conn_starve(c);
+        return;
+    }
+    if (nread == UV_EOF && !c->closing && half_closed(c)) {
+        c->eof = true;
+        process(c);
         return;
     }
     if (nread < 0) {
@@ -410,6 +447,8 @@ void pb_conn_request_done(pb_conn_t *c, size_t reserved)
     pb__conns_request_done(c->set, c);
     if (c->paused && !c->closing)
         process(c);
+    else
+        eof_check(c);
 }
 
 static void last_read(pb_conn_t *c)

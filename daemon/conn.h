@@ -144,6 +144,8 @@ struct pb_conn {
     bool dirty;
     bool processing;               /* inside pb_conn_process */
     bool last_read;                /* socket shut for reading; refusing the rest */
+    bool eof;                      /* the client shut its writing side only: what it
+                                    * sent is answered, then the connection closes */
     bool starved;                  /* reading stopped for the set's buffering cap */
     bool want_memory;              /* alloc_cb was refused growth: starve on ENOBUFS */
     bool counted;                  /* in its uid's entry (pb__conns_admit); false

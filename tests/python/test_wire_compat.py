@@ -148,6 +148,36 @@ class WireCompatTest(DaemonCase):
         finally:
             old.close()
 
+    def test_half_close(self):
+        # A one-shot client (nc -N, a script) sends its requests, shuts its
+        # writing side and reads until EOF: every reply comes first, also
+        # those computed on a worker after the shutdown.  The daemon used to
+        # close at the EOF and drop them.
+        A = np.random.default_rng(2).standard_normal((200, 200))
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(self.path)
+        pk = msgpack.Packer()
+        sock.sendall(pk.pack([0, 1, "forward", [{"op": "svd_vals", "inputs": {"A": tensor(A)}}]]) +
+                     pk.pack([0, 2, "hello", [{}]]) +
+                     pk.pack([0, 3, "hello", [{}]])[:5])  # a message never finished: dropped
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(30)
+        unpacker = msgpack.Unpacker(raw=False)
+        while True:
+            data = sock.recv(1 << 16)
+            if not data:
+                break
+            unpacker.feed(data)
+        sock.close()
+        replies = {m[1]: m for m in unpacker}
+        self.assertEqual(sorted(replies), [1, 2])
+        self.assertIsNone(replies[1][2], replies[1][2])
+        np.testing.assert_allclose(np.frombuffer(replies[1][3]["outputs"]["S"]["data"], "<f8"),
+                                   np.linalg.svd(A, compute_uv=False), rtol=1e-12)
+        self.assertEqual(replies[2][3]["protocol"], 1)
+        # The daemon is no worse for it.
+        self.assertEqual(self.raw.call("hello", {})[1]["protocol"], 1)
+
 
 class PynvimTest(DaemonCase):
     """pynvim's msgpack-RPC session (Debian's python3-pynvim), as is."""
