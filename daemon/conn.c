@@ -24,6 +24,9 @@
  * cost.  A connection that held a quarter of that hands the memory back
  * when it goes. */
 #define TRIM_AFTER(c) ((c)->set->cfg->max_queued_bytes_per_connection / 4)
+/* Small replies batched for the loop's flush are written once they are
+ * this many bytes (pb_conn_send). */
+#define OBUF_MAX (256u << 10)
 
 static void on_close(uv_handle_t *h)
 {
@@ -306,6 +309,8 @@ static bool blocked(const pb_conn_t *c)
     if (c->last_read)
         return false;
     const pb_config_t *cfg = c->set->cfg;
+    /* Small replies batched in obuf are written once they reach OBUF_MAX
+     * (pb_conn_send), so they come under pending_write soon enough. */
     return c->inflight >= cfg->max_inflight_per_connection ||
            c->pending_write + c->reserved > cfg->max_queued_bytes_per_connection;
 }
@@ -688,6 +693,13 @@ void pb_conn_send(pb_conn_t *c, pb_out_t *o)
         pb_out_init(o);
         mark_dirty(c);
         pb__conn_account(c);
+        /* A batch is written once it is this big, not only at the loop's
+         * flush: then what it could not write counts in pending_write,
+         * which bounds a connection (blocked), or one read of tiny requests
+         * with big replies (ops, 25 bytes in and 4 KiB out) would queue
+         * hundreds of times its size before the flush. */
+        if (c->obuf.size >= OBUF_MAX)
+            flush(c);
         return;
     }
     flush(c);

@@ -366,5 +366,51 @@ class TwoSlowMessagesWithinTheCap(DaemonCase):
             s.close()
 
 
+def buffered_bytes(path):
+    with pullbackd.Client(path, timeout=10) as c:
+        text = c.call("metrics", {})["text"]
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("pullbackd_buffered_bytes ")))
+
+
+class RepliesToTinyRequests(DaemonCase):
+    """Clients that pipeline tiny requests with large replies (ops: 25 bytes
+    in, about 4 KiB out) and do not read: one 64 KiB read used to queue
+    400 times its size in replies, past every cap (20 such clients held
+    270 MB under a 16 MiB max_buffered_bytes).  Now each connection holds
+    to max_queued_bytes_per_connection, plus a read buffer and a batch of
+    small replies; nothing is lost, and a client that reads at last gets
+    every reply."""
+
+    N, PER = 12, 3000
+    DAEMON_ARGS = ["--max-queued-bytes-per-connection", "512K"]
+
+    def test_caps_hold(self):
+        socks = []
+        for k in range(self.N):
+            s = socket.socket(socket.AF_UNIX)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(self.path)
+            s.sendall(b"".join(request(i, "ops", {}) for i in range(self.PER)))
+            socks.append(s)
+        time.sleep(1.0)
+        held = buffered_bytes(self.path)  # also: a new client is answered
+        self.assertLessEqual(held, self.N * (512 + 128 + 256 + 8) * 1024, f"{held} bytes held")
+        for s in socks[1:]:
+            s.close()
+        s = socks[0]
+        s.settimeout(30)
+        u = msgpack.Unpacker(raw=False)
+        got = set()
+        while len(got) < self.PER:
+            data = s.recv(1 << 20)
+            self.assertTrue(data, f"closed after {len(got)} replies")
+            u.feed(data)
+            for msg in u:
+                self.assertIsNone(msg[2])
+                got.add(msg[1])
+        self.assertEqual(got, set(range(self.PER)))
+        s.close()
+
+
 if __name__ == "__main__":
     unittest.main()
