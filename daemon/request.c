@@ -6,6 +6,15 @@
 #define DEFAULT_TTL_MS 600000u
 #define MAX_TTL_S 31536000.0
 
+/* A map key or name the client sent, quoted for an error message ("?"
+ * when it is no string); QUOTED is its buffer, which lives to the end of
+ * the statement's block. */
+#define QUOTED (&(pb_quoted_t){{0}})
+static const char *key_text(pb_quoted_t *q, const msgpack_object *k)
+{
+    return k->type == MSGPACK_OBJECT_STR ? pb_quote(q, k->via.str.ptr, k->via.str.size) : "?";
+}
+
 /* Every key of params must be one of allowed. */
 int pb_request_check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err)
 {
@@ -21,8 +30,8 @@ int pb_request_check_keys(const msgpack_object *params, const char *const *allow
             size_t o = 0;
             for (const char *const *a = allowed; *a && o < sizeof list; a++)
                 o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", a == allowed ? "" : ", ", *a);
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "unknown key '%.*s' in params (expected: %s)",
-                              (int)(k->via.str.size > 40 ? 40 : k->via.str.size), k->via.str.ptr, list);
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "unknown key '%s' in params (expected: %s)",
+                              key_text(QUOTED, k), list);
         }
     }
     return 0;
@@ -82,9 +91,7 @@ static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err
         const msgpack_object *k = &opts->via.map.ptr[i].key, *v = &opts->via.map.ptr[i].val;
         int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_option_index(op, k->via.str.ptr, k->via.str.size) : -1;
         if (idx < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "options", "%s has no option '%.*s'", op->name,
-                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
-                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "options", "%s has no option '%s'", op->name, key_text(QUOTED, k));
         const pb_opt_spec_t *sp = &op->options[idx];
         pb_optval_t *ov = &c->opt[idx];
         char arg[64];
@@ -219,11 +226,9 @@ int pb_request_into(const msgpack_object *into, const pb_resolver_t *res, const 
         for (int j = 0; j < n && idx < 0 && k->type == MSGPACK_OBJECT_STR; j++)
             if (pb__obj_is_str(k, names[j]))
                 idx = j;
-        int kl = k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1;
-        const char *kp = k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?";
         if (idx < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "into", "into names '%.*s', which is no %s here", kl, kp,
-                              of);
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "into", "into names '%s', which is no %s here",
+                              key_text(QUOTED, k), of);
         if (!(avail & (1u << idx)))
             return pb_err_set(err, PB_EINVALID_ARGUMENT, "into",
                               "into names %s, but no %s %s comes back here (not in the tape's wrt)", names[idx], of,
@@ -308,8 +313,7 @@ int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_sto
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "op", "op must be the name of an op (see the ops method)");
     c->op = pb_op_find(opn->via.str.ptr, opn->via.str.size);
     if (c->op == NULL)
-        return pb_err_set(err, PB_EUNKNOWN_OP, "op", "unknown op '%.*s' (see the ops method)",
-                          (int)(opn->via.str.size > 40 ? 40 : opn->via.str.size), opn->via.str.ptr);
+        return pb_err_set(err, PB_EUNKNOWN_OP, "op", "unknown op '%s' (see the ops method)", key_text(QUOTED, opn));
     const pb_op_t *op = c->op;
 
     const msgpack_object *in = pb__obj_get(params, "inputs");
@@ -319,9 +323,7 @@ int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_sto
         const msgpack_object *k = &in->via.map.ptr[i].key;
         int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_input_index(op, k->via.str.ptr, k->via.str.size) : -1;
         if (idx < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "%s has no input '%.*s'", op->name,
-                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
-                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "%s has no input '%s'", op->name, key_text(QUOTED, k));
         char what[64];
         join(what, sizeof what, "inputs.", op->inputs[idx].name);
         if (c->in[idx].storage)
@@ -448,9 +450,8 @@ int pb_request_cotangents(const pb_tapedata_t *t, const msgpack_object *cots, pb
         const msgpack_object *k = &cots->via.map.ptr[i].key;
         int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_output_index(op, k->via.str.ptr, k->via.str.size) : -1;
         if (idx < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "cotangents", "%s has no output '%.*s'", op->name,
-                              k->type == MSGPACK_OBJECT_STR ? (int)(k->via.str.size > 40 ? 40 : k->via.str.size) : 1,
-                              k->type == MSGPACK_OBJECT_STR ? k->via.str.ptr : "?");
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "cotangents", "%s has no output '%s'", op->name,
+                              key_text(QUOTED, k));
         char what[64];
         join(what, sizeof what, "cotangents.", op->outputs[idx]);
         if (cot[idx].storage)

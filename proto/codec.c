@@ -57,35 +57,9 @@ bool pb__obj_number(const msgpack_object *o, double *v)
 
 bool pb_utf8_valid(const char *str, size_t len)
 {
-    const unsigned char *s = (const unsigned char *)str;
-    size_t i = 0;
-    while (i < len) {
-        unsigned c = s[i];
-        size_t n;
-        unsigned min;
-        if (c < 0x80) {
-            i++;
-            continue;
-        } else if ((c & 0xe0) == 0xc0) {
-            n = 1, min = 0x80, c &= 0x1f;
-        } else if ((c & 0xf0) == 0xe0) {
-            n = 2, min = 0x800, c &= 0x0f;
-        } else if ((c & 0xf8) == 0xf0) {
-            n = 3, min = 0x10000, c &= 0x07;
-        } else {
+    for (size_t i = 0, n; i < len; i += n)
+        if ((n = pb_utf8_char(str + i, len - i)) == 0)
             return false;
-        }
-        if (i + n >= len)
-            return false;
-        for (size_t k = 1; k <= n; k++) {
-            if ((s[i + k] & 0xc0) != 0x80)
-                return false;
-            c = c << 6 | (s[i + k] & 0x3f);
-        }
-        if (c < min || c > 0x10ffff || (c >= 0xd800 && c <= 0xdfff))
-            return false;
-        i += n + 1;
-    }
     return true;
 }
 
@@ -151,8 +125,8 @@ int pb_tensor_decode_with(const msgpack_object *o, pb_storage_t *msg, const pb_r
         else if (pb__obj_is_str(k, "offset"))
             offset = v;
         else if (k->type == MSGPACK_OBJECT_STR)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: unknown tensor key '%.*s'", what,
-                              (int)(k->via.str.size > 40 ? 40 : k->via.str.size), k->via.str.ptr);
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: unknown tensor key '%s'", what,
+                              pb_quote(&(pb_quoted_t){{0}}, k->via.str.ptr, k->via.str.size));
         else
             return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: tensor keys must be strings", what);
     }
@@ -162,8 +136,8 @@ int pb_tensor_decode_with(const msgpack_object *o, pb_storage_t *msg, const pb_r
                           what);
     if (pb_dtype_parse(dt->via.str.ptr, dt->via.str.size, &d))
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
-                          "%s: unknown dtype '%.*s' (expected \"f32\", \"f64\", \"c64\" or \"c128\")", what,
-                          (int)(dt->via.str.size > 20 ? 20 : dt->via.str.size), dt->via.str.ptr);
+                          "%s: unknown dtype '%s' (expected \"f32\", \"f64\", \"c64\" or \"c128\")", what,
+                          pb_quote(&(pb_quoted_t){{0}}, dt->via.str.ptr, dt->via.str.size));
     if (shape == NULL || shape->type != MSGPACK_OBJECT_ARRAY)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: shape must be an array of non-negative integers",
                           what);

@@ -62,4 +62,20 @@ int pb_err_from_sys(int sys);
 int pb_err_set(pb_err_t *err, int code, const char *arg, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 
+/* The length of the valid UTF-8 character at s (1 to 4 bytes; len bytes
+ * are there), 0 when s starts none: a stray continuation byte, a cut or
+ * overlong sequence, a surrogate, past U+10FFFF. */
+size_t pb_utf8_char(const char *s, size_t len);
+
+/* A client's string quoted for an error message (err->message goes out
+ * as a msgpack str, which must be UTF-8): its first PB_QUOTE_MAX bytes,
+ * cut before a character and then "...", with each byte that starts no
+ * valid character, each control character (NUL too) and a backslash
+ * written \xNN.  The text lives in *q. */
+#define PB_QUOTE_MAX 40
+typedef struct pb_quoted {
+    char s[4 * PB_QUOTE_MAX + 4];
+} pb_quoted_t;
+const char *pb_quote(pb_quoted_t *q, const char *s, size_t len);
+
 #endif

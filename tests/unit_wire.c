@@ -456,6 +456,55 @@ static void utf8(void **state)
     assert_false(pb_utf8_valid("\xc0\xaf", 2));      /* overlong */
     assert_false(pb_utf8_valid("\xed\xa0\x80", 3));  /* surrogate */
     assert_false(pb_utf8_valid("\xff", 1));
+    assert_true(pb_utf8_valid("\xf0\x9f\x98\x80", 4));  /* U+1F600 */
+    assert_false(pb_utf8_valid("\xf4\x90\x80\x80", 4)); /* past U+10FFFF */
+    assert_false(pb_utf8_valid("\xe2\x82", 2));          /* cut */
+    assert_true(pb_utf8_valid("", 0));
+}
+
+/* Client strings in error messages: valid UTF-8 whatever they hold. */
+static void quote(void **state)
+{
+    (void)state;
+    pb_quoted_t q;
+    assert_string_equal(pb_quote(&q, "abc", 3), "abc");
+    assert_string_equal(pb_quote(&q, "a\0b", 3), "a\\x00b");
+    assert_string_equal(pb_quote(&q, "\xff\xfe", 2), "\\xff\\xfe");
+    assert_string_equal(pb_quote(&q, "\\\n\x7f", 3), "\\x5c\\x0a\\x7f");
+    assert_string_equal(pb_quote(&q, "h\xc3\xa9", 3), "h\xc3\xa9");
+    assert_string_equal(pb_quote(&q, "\xc3", 1), "\\xc3");           /* a cut character */
+    assert_string_equal(pb_quote(&q, "\xed\xa0\x80", 3), "\\xed\\xa0\\x80"); /* a surrogate */
+    assert_string_equal(pb_quote(&q, "", 0), "");
+    /* 40 bytes at most, cut before a character: 20 é fill it, a 21st goes. */
+    char s[64] = "";
+    for (int i = 0; i < 21; i++)
+        strcat(s, "\xc3\xa9");
+    pb_quote(&q, s, strlen(s));
+    assert_int_equal(strlen(q.s), 43);
+    assert_string_equal(q.s + 40, "...");
+    assert_true(pb_utf8_valid(q.s, strlen(q.s)));
+    /* x then 20 é: the 20th would end at byte 41 */
+    char t[64] = "x";
+    strcat(t, s + 2);
+    pb_quote(&q, t, strlen(t));
+    assert_int_equal(strlen(q.s), 39 + 3);
+    /* The longest result: every byte escaped, and the ellipsis. */
+    char ff[PB_QUOTE_MAX + 5];
+    memset(ff, 0xff, sizeof ff);
+    pb_quote(&q, ff, sizeof ff);
+    assert_int_equal(strlen(q.s), 4 * PB_QUOTE_MAX + 3);
+    /* A message cut by its buffer is cut before a character. */
+    pb_err_t err;
+    char longtext[400];
+    memset(longtext, 'a', 254);
+    strcpy(longtext + 254, "\xc3\xa9\xc3\xa9");
+    pb_err_set(&err, PB_EINVALID_ARGUMENT, NULL, "%s", longtext);
+    assert_int_equal(strlen(err.message), 254);
+    assert_true(pb_utf8_valid(err.message, strlen(err.message)));
+    longtext[253] = 0; /* 253 + é = 255 bytes: it fits whole */
+    strcat(longtext, "\xc3\xa9");
+    pb_err_set(&err, PB_EINVALID_ARGUMENT, NULL, "%s", longtext);
+    assert_int_equal(strlen(err.message), 255);
 }
 
 int main(void)
@@ -465,6 +514,7 @@ int main(void)
         cmocka_unit_test(map32_bomb),    cmocka_unit_test(oversize),      cmocka_unit_test(garbage),
         cmocka_unit_test(depth),         cmocka_unit_test(every_type),    cmocka_unit_test(too_many_elements),
         cmocka_unit_test(tensor_decode), cmocka_unit_test(tensor_in_buffer), cmocka_unit_test(utf8),
+        cmocka_unit_test(quote),
     };
     return cmocka_run_group_tests_name("unit.wire", tests, NULL, NULL);
 }

@@ -178,6 +178,39 @@ class WireCompatTest(DaemonCase):
         # The daemon is no worse for it.
         self.assertEqual(self.raw.call("hello", {})[1]["protocol"], 1)
 
+    def test_error_messages_are_utf8(self):
+        # A name the client sent is quoted in the error: bytes that are not
+        # UTF-8, control characters and NUL as \xNN, so the reply stays a
+        # valid msgpack str (a strict decoder, raw=False here, used to fail
+        # on the whole reply), and a name is never cut at a NUL.
+        bad = "\udcff\udcfe"  # the bytes ff fe, through surrogateescape
+        pk = msgpack.Packer(unicode_errors="surrogateescape")
+        eye = tensor(np.eye(2))
+        cases = [
+            ("hello", {bad: 1}, "invalid_argument", "unknown key '\\xff\\xfe'"),
+            ("forward", {"op": bad}, "unknown_op", "unknown op '\\xff\\xfe'"),
+            ("forward", {"op": "qr_compact", "inputs": {"A": dict(eye, dtype=bad)}}, "invalid_argument",
+             "unknown dtype '\\xff\\xfe'"),
+            ("forward", {"op": "qr_compact", "inputs": {bad: eye}}, "invalid_argument", "no input '\\xff\\xfe'"),
+            ("forward", {"op": "qr_compact", "inputs": {"A": eye}, "options": {"a\x00b": 1}}, "invalid_argument",
+             "no option 'a\\x00b'"),
+            ("hel\x00lo", {}, "unknown_method", "unknown method 'hel\\x00lo'"),
+            # A long name is cut before a character, never inside one.
+            ("forward", {"op": "é" * 30}, "unknown_op", "unknown op '" + "é" * 20 + "...'"),
+        ]
+        for i, (method, params, code, text) in enumerate(cases):
+            self.raw.sock.sendall(pk.pack([0, 100 + i, method, [params]]))
+            unpacker = msgpack.Unpacker(raw=False)
+            while True:
+                unpacker.feed(self.raw.sock.recv(1 << 16))
+                msgs = list(unpacker)
+                if msgs:
+                    break
+            (msg,) = msgs
+            self.assertEqual(msg[1], 100 + i)
+            self.assertEqual(msg[2]["code"], code, msg)
+            self.assertIn(text, msg[2]["message"])
+
 
 class PynvimTest(DaemonCase):
     """pynvim's msgpack-RPC session (Debian's python3-pynvim), as is."""
