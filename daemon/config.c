@@ -81,6 +81,7 @@ static int default_socket(char *buf, size_t len)
 
 /* ---- the settings ------------------------------------------------------- */
 
+#define MAX_FILE_BYTES (1 << 20)
 #define FIELD(f) offsetof(pb_config_t, f), sizeof(((pb_config_t *)0)->f)
 
 /* The one list of settings (config.h).  Sizes have no upper bound; the
@@ -363,25 +364,38 @@ int pb_config_read_file(pb_config_t *c, const char *path, bool required, unsigne
         snprintf(err, errlen, "%.200s: %s", path, strerror(errno));
         return PB_EINVALID_ARGUMENT;
     }
+    /* A settings file is a few lines: read at most MAX_FILE_BYTES of it
+     * (a line-by-line read of /dev/zero would never end). */
+    char *text = malloc(MAX_FILE_BYTES + 1);
+    size_t len = text ? fread(text, 1, MAX_FILE_BYTES + 1, f) : 0;
+    const char *bad = text == NULL       ? "out of memory"
+                      : ferror(f)        ? strerror(errno)
+                      : len > MAX_FILE_BYTES ? "larger than the 1 MiB a settings file may be"
+                                         : NULL;
+    fclose(f);
     int seen[NKEYS] = {0};
-    char *line = NULL;
-    size_t cap = 0;
-    int rc = 0, lineno = 0;
-    while (rc == 0 && getline(&line, &cap, f) >= 0) {
-        char *s = trim(line);
+    int rc = bad ? PB_EINVALID_ARGUMENT : 0, lineno = 0;
+    if (bad)
+        snprintf(err, errlen, "%.200s: %s", path, bad);
+    for (size_t at = 0; rc == 0 && at < len;) {
+        char *line = text + at, *nl = memchr(line, '\n', len - at);
+        size_t n = nl ? (size_t)(nl - line) : len - at;
+        at += n + 1;
+        line[n] = 0;
         lineno++;
+        if (strlen(line) != n) {
+            snprintf(err, errlen, "%.200s:%d: the line holds a NUL byte", path, lineno);
+            rc = PB_EINVALID_ARGUMENT;
+            break;
+        }
+        char *s = trim(line);
         if (*s == 0 || *s == '#')
             continue;
         char why[400];
         if ((rc = file_line(c, s, skip_mask, lineno, seen, why, sizeof why)))
             snprintf(err, errlen, "%.200s:%d: %s", path, lineno, why);
     }
-    if (rc == 0 && ferror(f)) {
-        snprintf(err, errlen, "%.200s: %s", path, strerror(errno));
-        rc = PB_EINVALID_ARGUMENT;
-    }
-    free(line);
-    fclose(f);
+    free(text);
     if (rc == 0)
         snprintf(c->config_file, sizeof c->config_file, "%s", path);
     return rc;

@@ -52,6 +52,7 @@ static int adopt_fd(pb_conn_t *c, bool *oom)
  * (the fds left in libuv's queue could no longer be told apart). */
 bool pb__conn_receive_fds(pb_conn_t *c, uint64_t from, uint64_t to)
 {
+    int dropped = 0;
     while (uv_pipe_pending_count(&c->pipe) > 0) {
         bool oom = false;
         int fd = adopt_fd(c, &oom);
@@ -60,13 +61,16 @@ bool pb__conn_receive_fds(pb_conn_t *c, uint64_t from, uint64_t to)
         if (fd < 0)
             continue;
         if (c->nfds == PB_CONN_MAX_FDS) {
-            pb_log(PB_LOG_NOTICE, "connection %llu: more than %d passed file descriptors wait for their "
-                   "messages; closing the newest", (unsigned long long)c->id, PB_CONN_MAX_FDS);
             close(fd);
+            dropped++;
             continue;
         }
         c->fds[c->nfds++] = (struct pb_conn_fd){fd, from, to};
     }
+    /* One line a read, not one a descriptor: a client decides how many. */
+    if (dropped)
+        pb_log(PB_LOG_NOTICE, "connection %llu: more than %d passed file descriptors wait for their messages; "
+               "closed the %d newest", (unsigned long long)c->id, PB_CONN_MAX_FDS, dropped);
     return true;
 }
 

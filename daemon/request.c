@@ -15,7 +15,8 @@ static const char *key_text(pb_quoted_t *q, const msgpack_object *k)
     return k->type == MSGPACK_OBJECT_STR ? pb_quote(q, k->via.str.ptr, k->via.str.size) : "?";
 }
 
-/* Every key of params must be one of allowed. */
+/* Every key of params must be one of allowed, and given once (which of
+ * two would count is no guess to leave to the daemon). */
 int pb_request_check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err)
 {
     for (uint32_t i = 0; i < params->via.map.size; i++) {
@@ -24,7 +25,10 @@ int pb_request_check_keys(const msgpack_object *params, const char *const *allow
             return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "params keys must be strings");
         bool ok = false;
         for (const char *const *a = allowed; *a && !ok; a++)
-            ok = pb__obj_is_str(k, *a);
+            if ((ok = pb__obj_is_str(k, *a)))
+                for (uint32_t j = 0; j < i; j++)
+                    if (pb__obj_is_str(&params->via.map.ptr[j].key, *a))
+                        return pb_err_set(err, PB_EINVALID_ARGUMENT, *a, "params key '%s' is given twice", *a);
         if (!ok) {
             char list[200] = "none";
             size_t o = 0;

@@ -167,6 +167,30 @@ static void missing_explicit_file(void **state)
     assert_int_equal(load(&c, NULL, err, sizeof err, "--config", dir, NULL), PB_EINVALID_ARGUMENT);
 }
 
+/* What is no settings file: /dev/zero (read line by line, it held the
+ * start up for good), more than 1 MiB, a NUL inside a line.  /dev/null
+ * is an empty one. */
+static void odd_files(void **state)
+{
+    (void)state;
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", "/dev/zero", NULL), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "/dev/zero: larger than the 1 MiB"));
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", "/dev/null", NULL), 0);
+    assert_int_equal(c.workers, (int)sysconf(_SC_NPROCESSORS_ONLN)); /* the default */
+    const char *p = file_with("");
+    FILE *f = fopen(p, "w");
+    assert_non_null(f);
+    fwrite("workers = 2\n# fine\nworkers = 3\0\n", 1, 34, f);
+    fclose(f);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, NULL), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, ":3: the line holds a NUL byte"));
+    /* A last line without its newline still counts. */
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("# a\nworkers = 5"), NULL), 0);
+    assert_int_equal(c.workers, 5);
+}
+
 static void flags_win(void **state)
 {
     (void)state;
@@ -399,6 +423,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(defaults_without_file), cmocka_unit_test(good_file),
         cmocka_unit_test(bad_files),             cmocka_unit_test(missing_explicit_file),
+        cmocka_unit_test(odd_files),
         cmocka_unit_test(flags_win),             cmocka_unit_test(bad_flags),
         cmocka_unit_test(socket_chain),          cmocka_unit_test(diff_and_set),
         cmocka_unit_test(table_defaults),        cmocka_unit_test(limits_from_table),

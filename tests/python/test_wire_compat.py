@@ -211,6 +211,19 @@ class WireCompatTest(DaemonCase):
             self.assertEqual(msg[2]["code"], code, msg)
             self.assertIn(text, msg[2]["message"])
 
+    def test_params_key_given_twice(self):
+        # msgpack maps may repeat a key; which one counts is no guess for
+        # the daemon to make: [0, 7, "release", [{"tape": 1, "tape": 2}]].
+        msg = b"\x94\x00\x07\xa7release\x91\x82\xa4tape\x01\xa4tape\x02"
+        self.raw.sock.sendall(msg)
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(self.raw.sock.recv(1 << 16))
+        reply = next(unpacker)
+        self.assertEqual(reply[1], 7)
+        self.assertEqual(reply[2]["code"], "invalid_argument")
+        self.assertEqual(reply[2]["arg"], "tape")
+        self.assertIn("given twice", reply[2]["message"])
+
 
 class PynvimTest(DaemonCase):
     """pynvim's msgpack-RPC session (Debian's python3-pynvim), as is."""
