@@ -102,9 +102,10 @@ int pb_err_set(pb_err_t *err, int code, const char *arg, const char *fmt, ...)
     cut_whole(err->arg, sizeof err->arg);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(err->message, sizeof err->message, fmt, ap);
+    int n = vsnprintf(err->message, sizeof err->message, fmt, ap);
     va_end(ap);
-    cut_whole(err->message, sizeof err->message);
+    if (n >= (int)sizeof err->message)
+        cut_whole(err->message, sizeof err->message);
     return code;
 }
 
