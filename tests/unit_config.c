@@ -182,7 +182,8 @@ static void odd_files(void **state)
     const char *p = file_with("");
     FILE *f = fopen(p, "w");
     assert_non_null(f);
-    fwrite("workers = 2\n# fine\nworkers = 3\0\n", 1, 34, f);
+    static const char text[] = "workers = 2\n# fine\nworkers = 3\0\n";
+    fwrite(text, 1, sizeof text - 1, f);
     fclose(f);
     assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, NULL), PB_EINVALID_ARGUMENT);
     assert_non_null(strstr(err, ":3: the line holds a NUL byte"));
