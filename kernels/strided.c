@@ -81,11 +81,15 @@ static dot_fn *const dots[PB_NDTYPES] = PB_T_FNS(dot_scalar);
 
 void pb_dense_strides(int rank, const uint64_t *shape, char order, int64_t *stride)
 {
-    int64_t s = 1;
+    /* Saturating: only a zero-size tensor (which has no element to step
+     * to) may have dimensions whose product passes INT64_MAX, such as
+     * [0, 2^40, 2^40]. */
+    uint64_t s = 1;
     for (int k = 0; k < rank; k++) {
         int a = order == 'F' ? k : rank - 1 - k;
-        stride[a] = s;
-        s *= (int64_t)(shape[a] ? shape[a] : 1);
+        stride[a] = (int64_t)s;
+        if (__builtin_mul_overflow(s, shape[a] ? shape[a] : 1, &s) || s > INT64_MAX)
+            s = INT64_MAX;
     }
 }
 

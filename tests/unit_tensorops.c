@@ -929,6 +929,21 @@ static void check_pass(pb_dtype_t d, const sloop_t *l, bool cj, pb_scalar_t al, 
  * source, an F-order destination, a reduction), ragged tiles along both
  * sides, rows that do not transpose, and every flag: conj, alpha, beta,
  * accumulate, for all four dtypes. */
+/* Strides of an empty tensor whose other dimensions multiply past 2^63
+ * saturate at INT64_MAX (they once overflowed: undefined, and 0 here). */
+static void huge_empty_strides(void **state)
+{
+    (void)state;
+    static const uint64_t sh[3] = {0, 1ull << 40, 1ull << 40}, big[2] = {UINT64_MAX, 0};
+    int64_t st[3];
+    pb_dense_strides(3, sh, 'C', st);
+    assert_true(st[0] == INT64_MAX && st[1] == (int64_t)1 << 40 && st[2] == 1);
+    pb_dense_strides(3, sh, 'F', st);
+    assert_true(st[0] == 1 && st[1] == 1 && st[2] == (int64_t)1 << 40);
+    pb_dense_strides(2, big, 'F', st);
+    assert_true(st[0] == 1 && st[1] == INT64_MAX);
+}
+
 static void strided_paths(void **state)
 {
     (void)state;
@@ -1040,7 +1055,8 @@ static void rank16(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(strided_kernel),   cmocka_unit_test(strided_paths),    cmocka_unit_test(contract_to_case),
+        cmocka_unit_test(strided_kernel),   cmocka_unit_test(strided_paths),    cmocka_unit_test(huge_empty_strides),
+           cmocka_unit_test(contract_to_case),
         cmocka_unit_test(contract_matrix),  cmocka_unit_test(contract_random),  cmocka_unit_test(contract_spec),
         cmocka_unit_test(contract_tape),
         cmocka_unit_test(contract_errors),  cmocka_unit_test(contract_wrt_conj_scalars),

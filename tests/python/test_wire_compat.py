@@ -211,6 +211,23 @@ class WireCompatTest(DaemonCase):
             self.assertEqual(msg[2]["code"], code, msg)
             self.assertIn(text, msg[2]["message"])
 
+    def test_empty_with_huge_dimensions(self):
+        # Empty, with dimensions whose product passes 2^63 (numpy cannot
+        # even make such an array): their strides once overflowed, which
+        # UBSan reports, and the ASan stage halts on it.
+        E = {"dtype": "f64", "shape": [0, 2 ** 40, 2 ** 40], "data": b""}
+        err, res = self.raw.call("forward", {"op": "tensortrace", "inputs": {"A": E},
+                                             "options": {"p": [0], "q": [[1], [2]]}})
+        self.assertIsNone(err, err)
+        self.assertEqual(res["outputs"]["C"]["shape"], [0])
+        err, res = self.raw.call("augmented_forward", {"op": "tensortrace", "inputs": {"A": E}, "wrt": ["A"],
+                                                       "options": {"p": [0], "q": [[1], [2]]}})
+        self.assertIsNone(err, err)
+        G = {"dtype": "f64", "shape": [0], "data": b""}
+        err, res = self.raw.call("reverse", {"tape": res["tape"], "cotangents": {"C": G}})
+        self.assertIsNone(err, err)
+        self.assertEqual(res["gradients"]["A"]["shape"], E["shape"])
+
     def test_params_key_given_twice(self):
         # msgpack maps may repeat a key; which one counts is no guess for
         # the daemon to make: [0, 7, "release", [{"tape": 1, "tape": 2}]].
