@@ -185,11 +185,15 @@ void pb__m_shutdown(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { (vo
 void pb__m_register(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
 {
     (void)msg;
-    static const char *const keys[] = {"size", NULL};
+    static const char *const keys[] = {"size", "device", NULL};
     pb_conn_t *c = r->conn;
     int nfds = pb_conn_msg_nfds(c);
     uint64_t size = 0;
+    pb_device_t dev;
     int rc = pb_request_check_keys(params, keys, &r->err);
+    /* Host memory unless it names a GPU (contract section 6). */
+    if (rc == 0)
+        rc = pb_request_device(params, (pb_device_t){PB_DEV_CPU, 0}, &dev, &r->err);
     const msgpack_object *sz = pb__obj_get(params, "size");
     if (rc == 0 && (!pb__obj_uint(sz, &size) || size == 0))
         rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "size",

@@ -41,6 +41,18 @@ int pb_request_check_keys(const msgpack_object *params, const char *const *allow
     return 0;
 }
 
+int pb_request_device(const msgpack_object *params, pb_device_t dflt, pb_device_t *dev, pb_err_t *err)
+{
+    const msgpack_object *o = pb__obj_get(params, "device");
+    *dev = dflt;
+    if (o && (o->type != MSGPACK_OBJECT_STR || pb_device_parse(o->via.str.ptr, o->via.str.size, dev)))
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "device", "device must be \"cpu\", \"cuda\" or \"cuda:N\"");
+    if (dev->kind != PB_DEV_CPU)
+        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device",
+                          "device cuda:%d is not available: this daemon has no CUDA devices", dev->index);
+    return 0;
+}
+
 int pb_request_order(const msgpack_object *params, char *order, pb_err_t *err)
 {
     const msgpack_object *o = pb__obj_get(params, "order");
@@ -369,15 +381,8 @@ int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_sto
                               pb_dtype_name(c->dtype));
     }
 
-    c->device = cfg->device;
-    const msgpack_object *dev = pb__obj_get(params, "device");
-    if (dev) {
-        if (dev->type != MSGPACK_OBJECT_STR || pb_device_parse(dev->via.str.ptr, dev->via.str.size, &c->device))
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "device", "device must be \"cpu\", \"cuda\" or \"cuda:N\"");
-    }
-    if (c->device.kind != PB_DEV_CPU)
-        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device",
-                          "device cuda:%d is not available: this daemon has no CUDA devices", c->device.index);
+    if ((rc = pb_request_device(params, cfg->device, &c->device, err)))
+        return rc;
     if (!(op->devices & (1u << c->device.kind)))
         return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device", "%s has no implementation on this device",
                           op->name);

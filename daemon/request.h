@@ -133,6 +133,9 @@ typedef struct pb_req_reverse pb_req_reverse_t;
 int pb_request_check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err);
 /* params' "order": 'C' (absent) or 'F'. */
 int pb_request_order(const msgpack_object *params, char *order, pb_err_t *err);
+/* params' "device" ("cpu", "cuda", "cuda:N"), dflt when absent; one this
+ * daemon does not have is device_unavailable. */
+int pb_request_device(const msgpack_object *params, pb_device_t dflt, pb_device_t *dev, pb_err_t *err);
 /* {op, inputs, options?, device?, order?, into?, accumulate?, wrt, scope?,
  * ttl_s?, seed?} as kind allows, into c and x (both zeroed by the caller):
  * decoded (buffers through res; NULL: none), the op's validate run, the

@@ -165,6 +165,23 @@ class SharedMemory(DaemonCase):
         with self.assertRaises(PullbackError):
             self.c.unregister_buffer(bid)
 
+    def test_register_device(self):
+        # Contract section 6: register_buffer {size, device}.  Host memory
+        # is "cpu" (or no device); a GPU this daemon lacks is
+        # device_unavailable (the key itself was once refused as unknown).
+        fd = os.memfd_create("pbpy")
+        try:
+            os.ftruncate(fd, 4096)
+            bid = self.c.wait(self.c.send("register_buffer", {"size": 4096, "device": "cpu"}, fds=[fd]))["buffer"]
+            self.assertTrue(self.c.unregister_buffer(bid))
+            for dev, code in (("cuda:0", "device_unavailable"), ("cuda", "device_unavailable"),
+                              ("gpu", "invalid_argument"), (7, "invalid_argument")):
+                with self.assertRaises(PullbackError) as cm:
+                    self.c.wait(self.c.send("register_buffer", {"size": 4096, "device": dev}, fds=[fd]))
+                self.assertEqual(cm.exception.code, code, dev)
+        finally:
+            os.close(fd)
+
     def test_close_unregisters(self):
         before = self.c.stats()["buffers"]
         sb = self.c.shared_buffer(64 << 10)
