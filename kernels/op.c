@@ -167,6 +167,16 @@ size_t pb_tapedata_bytes(const pb_tapedata_t *t)
     return n;
 }
 
+/* A vector or scalar is the same bytes in either order: it says the one
+ * the request asked for (contract section 2: C unless order "F"), whatever
+ * the op built it as (the factorizations' S and D come from LAPACK). */
+static void tag_vectors(pb_tensor_t *t, int n, char order)
+{
+    for (int i = 0; i < n; i++)
+        if (t[i].storage && t[i].rank <= 1)
+            t[i].order = order;
+}
+
 int pb_op_run_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
 {
     /* Bin payloads inside a message lie at any byte offset; BLAS and the
@@ -179,6 +189,8 @@ int pb_op_run_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
     int rc = c->op->forward[c->device.kind](c, tape, err);
     if (rc && tape)
         pb_tapedata_clear(tape);
+    if (rc == 0)
+        tag_vectors(c->out, c->op->noutputs, c->order);
     return rc;
 }
 
@@ -199,5 +211,7 @@ int pb_op_run_reverse(const pb_tapedata_t *tape, const pb_tensor_t *cot, pb_tens
     int rc = tape->op->reverse[tape->device.kind](tape, aligned, grad, order, warn, err);
     for (int k = 0; k < PB_MAX_IO; k++)
         pb_tensor_clear(&aligned[k]);
+    if (rc == 0)
+        tag_vectors(grad, PB_MAX_IO + 2, order);
     return rc;
 }

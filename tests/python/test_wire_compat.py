@@ -228,6 +228,30 @@ class WireCompatTest(DaemonCase):
         self.assertIsNone(err, err)
         self.assertEqual(res["gradients"]["A"]["shape"], E["shape"])
 
+    def test_vectors_say_the_order_asked_for(self):
+        # Contract section 2: results come back in C order unless the params
+        # carry order "F".  The factorizations' values (S, D) were built by
+        # LAPACK and said "F" either way; a vector is the same bytes in both.
+        A = tensor(np.array([[2.0, 1.0], [1.0, 3.0]]))
+        for order in (None, "C", "F"):
+            for op, vec in (("svd_compact", "S"), ("eigh_full", "D"), ("svd_vals", "S"), ("eig_vals", "D")):
+                params = {"op": op, "inputs": {"A": A}}
+                if order:
+                    params["order"] = order
+                err, res = self.raw.call("forward", params)
+                self.assertIsNone(err, err)
+                for name, t in res["outputs"].items():
+                    self.assertEqual(t["order"], order or "C", f"{op} {name} asked {order}")
+            params = {"op": "svd_vals", "inputs": {"A": A}, "wrt": ["A"]}
+            err, res = self.raw.call("augmented_forward", params)
+            self.assertIsNone(err, err)
+            params = {"tape": res["tape"], "cotangents": {"S": tensor(np.ones(2))}}
+            if order:
+                params["order"] = order
+            err, res = self.raw.call("reverse", params)
+            self.assertIsNone(err, err)
+            self.assertEqual(res["gradients"]["A"]["order"], order or "C")
+
     def test_params_key_given_twice(self):
         # msgpack maps may repeat a key; which one counts is no guess for
         # the daemon to make: [0, 7, "release", [{"tape": 1, "tape": 2}]].
