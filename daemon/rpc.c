@@ -208,23 +208,27 @@ void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
                (unsigned long long)pb_conn_id(c), (unsigned)m->via.array.size);
         goto out;
     }
-    if (m->type != MSGPACK_OBJECT_ARRAY || m->via.array.size < 3 ||
-        m->via.array.ptr[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER) {
-        reply_early(rpc, c, 0, PB_EINVALID_REQUEST, "%s",
+    /* A request of the wrong length whose msgid can be read is answered
+     * under it, so that a pipelining client can pair the error. */
+    uint64_t msgid = 0;
+    const msgpack_object *a = m->type == MSGPACK_OBJECT_ARRAY ? m->via.array.ptr : NULL;
+    if (a && m->via.array.size >= 2 && a[0].type == MSGPACK_OBJECT_POSITIVE_INTEGER && a[0].via.u64 == 0 &&
+        (!pb__obj_uint(&a[1], &msgid) || msgid > UINT32_MAX))
+        msgid = 0;
+    if (a == NULL || m->via.array.size < 3 || a[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER) {
+        reply_early(rpc, c, (uint32_t)msgid, PB_EINVALID_REQUEST, "%s",
                     "not a msgpack-RPC request [0, msgid, method, [params]] or notification [2, method, [params]]");
         goto out;
     }
-    const msgpack_object *a = m->via.array.ptr;
     uint64_t type = a[0].via.u64;
     bool notify = type == 2;
-    uint64_t msgid = 0;
     if (type == 0 && m->via.array.size == 4) {
         if (!pb__obj_uint(&a[1], &msgid) || msgid > UINT32_MAX) {
             reply_early(rpc, c, 0, PB_EINVALID_REQUEST, "%s", "msgid must be a uint32");
             goto out;
         }
     } else if (!(notify && m->via.array.size == 3)) {
-        reply_early(rpc, c, 0, PB_EINVALID_REQUEST, "%s",
+        reply_early(rpc, c, (uint32_t)msgid, PB_EINVALID_REQUEST, "%s",
                     "not a msgpack-RPC request [0, msgid, method, [params]] or notification [2, method, [params]]");
         goto out;
     }

@@ -581,6 +581,18 @@ static void errors(void **state)
     pb_reply_free(&r);
     assert_int_equal(pb_client_send_raw(c, two_params, sizeof two_params), 0);
     expect_code(c, 8, "invalid_request");
+    /* A request of the wrong length whose msgid can be read is answered
+     * under that msgid (it was 0, which a pipelining client pairs with
+     * nothing). */
+    const unsigned char three[] = {0x93, 0x00, 0x0b, 0xa5, 'h', 'e', 'l', 'l', 'o'}; /* [0, 11, "hello"] */
+    const unsigned char five[] = {0x95, 0x00, 0x0c, 0xa5, 'h', 'e', 'l', 'l', 'o', 0x91, 0x80, 0x01};
+    const unsigned char two[] = {0x92, 0x00, 0x0d};                                   /* [0, 13] */
+    assert_int_equal(pb_client_send_raw(c, three, sizeof three), 0);
+    expect_code(c, 11, "invalid_request");
+    assert_int_equal(pb_client_send_raw(c, five, sizeof five), 0);
+    expect_code(c, 12, "invalid_request");
+    assert_int_equal(pb_client_send_raw(c, two, sizeof two), 0);
+    expect_code(c, 13, "invalid_request");
 
     /* A bad notification of any length has no msgid to answer: it is
      * dropped, and the next reply is the next request's. */
