@@ -257,11 +257,16 @@ static void answer_and_close(pb_conn_t *c, const pb_err_t *err)
     uv_read_stop((uv_stream_t *)&c->pipe);
 }
 
-static void parse_error(pb_conn_t *c, const char *why)
+/* limit: max_message_bytes when that is what the message passed, else 0. */
+static void parse_error(pb_conn_t *c, const char *why, size_t limit)
 {
     pb_err_t err;
-    pb_err_set(&err, PB_EPARSE, NULL, "%s; closing the connection", why);
-    pb_log(PB_LOG_NOTICE, "connection %llu: parse_error: %s", (unsigned long long)c->id, why);
+    if (limit)
+        pb_err_set(&err, PB_EPARSE, "max_message_bytes", "%s (max_message_bytes is %zu); closing the connection",
+                   why, limit);
+    else
+        pb_err_set(&err, PB_EPARSE, NULL, "%s; closing the connection", why);
+    pb_log(PB_LOG_NOTICE, "connection %llu: parse_error: %s", (unsigned long long)c->id, err.message);
     answer_and_close(c, &err);
 }
 
@@ -358,7 +363,7 @@ static void process(pb_conn_t *c)
         if (rc == 0)
             break;
         if (rc < 0) {
-            parse_error(c, c->scan.why);
+            parse_error(c, c->scan.why, c->scan.too_big ? s->cfg->max_message_bytes : 0);
             break;
         }
         pb_scan_reset(&c->scan);
@@ -371,7 +376,7 @@ static void process(pb_conn_t *c)
         pb_storage_t *msg = take_message(c, n);
         if (msg == NULL) {
             pb__conn_release_msg_fds(c);
-            parse_error(c, "out of memory for a message");
+            parse_error(c, "out of memory for a message", 0);
             break;
         }
         c->taken += n;

@@ -20,6 +20,14 @@ static uint64_t be(const uint8_t *p, int n)
 static int fail(pb_scan_t *s, const char *why)
 {
     s->why = why;
+    s->too_big = false;
+    return PB_EPARSE;
+}
+
+static int fail_big(pb_scan_t *s, const char *why)
+{
+    fail(s, why);
+    s->too_big = true;
     return PB_EPARSE;
 }
 
@@ -39,9 +47,9 @@ int pb_scan_feed(pb_scan_t *s, const uint8_t *buf, size_t len, size_t limit, siz
     for (;;) {
         size_t off = s->off;
         if (off >= len)
-            return len > limit ? fail(s, "message larger than the size limit") : 0;
+            return len > limit ? fail_big(s, "message larger than the size limit") : 0;
         if (off >= limit)
-            return fail(s, "message larger than the size limit");
+            return fail_big(s, "message larger than the size limit");
         uint8_t b = buf[off];
         size_t hdr = 1;      /* header bytes */
         uint64_t body = 0;   /* payload bytes after the header */
@@ -84,7 +92,7 @@ int pb_scan_feed(pb_scan_t *s, const uint8_t *buf, size_t len, size_t limit, siz
             }
             if (nlen) {
                 if (off + 1 + (size_t)nlen > len)
-                    return limit < off + 1 + (size_t)nlen ? fail(s, "message larger than the size limit") : 0;
+                    return limit < off + 1 + (size_t)nlen ? fail_big(s, "message larger than the size limit") : 0;
                 uint64_t v = be(buf + off + 1, nlen);
                 hdr = 1 + (size_t)nlen;
                 if (container)
@@ -96,7 +104,7 @@ int pb_scan_feed(pb_scan_t *s, const uint8_t *buf, size_t len, size_t limit, siz
 
         size_t room = limit - off; /* bytes this element may still take */
         if (hdr > room || body > room - hdr)
-            return fail(s, "a declared length is longer than the message can be");
+            return fail_big(s, "a declared length is longer than the message can be");
         if (container) {
             uint64_t elems = container == 2 ? count * 2 : count;
             if (elems > room - hdr)

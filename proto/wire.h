@@ -16,6 +16,7 @@
 #ifndef PB_WIRE_H
 #define PB_WIRE_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -31,6 +32,7 @@ typedef struct pb_scan {
                       * declared payload not all read yet), else 0 */
     size_t need_at;  /* where in the message that payload begins */
     const char *why; /* reason of the last PB_EPARSE */
+    bool too_big;    /* that reason is the size limit */
 } pb_scan_t;
 
 void pb_scan_reset(pb_scan_t *s);

@@ -640,10 +640,12 @@ static void parse_errors(void **state)
     const struct {
         const void *p;
         size_t n;
+        bool limit; /* past max_message_bytes: the error names it */
     } cases[] = {
-        {"\xc1garbage", 8},
-        {"\xdf\xff\xff\xff\xff", 5},
-        {deep, 34},
+        {"\xc1garbage", 8, false},
+        {"\xdf\xff\xff\xff\xff", 5, false},
+        {deep, 34, false},
+        {"\x94\x00\x01\xa5hello\x91\x81\xa1x\xc6\x40\x00\x00\x00", 18, true}, /* a 1 GiB bin */
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         pb_client_t *c = conn(&main_daemon);
@@ -652,6 +654,10 @@ static void parse_errors(void **state)
         assert_int_equal(pb_client_recv_timeout(c, &r, 5000), 0);
         assert_int_equal(r.msgid, 0);
         assert_string_equal(pb_reply_code(&r), "parse_error");
+        if (cases[i].limit) {
+            assert_int_equal(pb_obj_strcmp(pb_obj_get(r.error, "arg"), "max_message_bytes"), 0);
+            assert_non_null(strstr(pb_reply_message(&r), "max_message_bytes is 268435456"));
+        }
         pb_reply_free(&r);
         assert_int_equal(pb_client_recv_timeout(c, &r, 5000), -EPIPE);
         pb_client_close(c);
