@@ -270,7 +270,7 @@ static void parse_error(pb_conn_t *c, const char *why, size_t limit)
     answer_and_close(c, &err);
 }
 
-void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
+void pb__conn_refuse(pb_conn_t *c, const char *limit, const char *fmt, ...)
 {
     pb_err_t err;
     char why[200];
@@ -278,7 +278,7 @@ void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
-    pb_err_set(&err, PB_ERESOURCE_EXHAUSTED, NULL, "%s; closing the connection", why);
+    pb_err_set(&err, PB_ERESOURCE_EXHAUSTED, limit, "%s; closing the connection", why);
     pb_log(PB_LOG_NOTICE, "connection %llu (uid %u): resource_exhausted: %s", (unsigned long long)c->id,
            (unsigned)c->uid, why);
     /* Its incomplete message goes back to the system, unmapped off the
@@ -543,8 +543,8 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     pb_log(PB_LOG_INFO, "connection %llu opened (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
            (int)c->pid);
     if (!pb__conns_admit(s, c)) {
-        pb__conn_refuse(c, "uid %u has max_connections_per_uid (%zu) connections open", (unsigned)c->uid,
-                        s->cfg->max_connections_per_uid);
+        pb__conn_refuse(c, "max_connections_per_uid", "uid %u has max_connections_per_uid (%zu) connections open",
+                        (unsigned)c->uid, s->cfg->max_connections_per_uid);
         return;
     }
     uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);

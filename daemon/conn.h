@@ -280,7 +280,9 @@ void pb__conn_release_msg_fds(pb_conn_t *c);
 
 /* conn.c's: read again after starving. */
 void pb__conn_resume(pb_conn_t *c);
-/* conn.c's: answer resource_exhausted and close after the flush. */
-void pb__conn_refuse(pb_conn_t *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* conn.c's: answer resource_exhausted (limit: the setting's name, sent as
+ * the error's limit) and close after the flush. */
+void pb__conn_refuse(pb_conn_t *c, const char *limit, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 #endif

@@ -214,12 +214,12 @@ void pb__conn_starve(pb_conn_t *c)
     if (victim == NULL)
         return; /* what is held are replies being written: they drain */
     if (per_uid)
-        pb__conn_refuse(victim,
+        pb__conn_refuse(victim, "max_buffered_bytes_per_uid",
                         "max_buffered_bytes_per_uid (%zu) is reached for uid %u and this connection holds its "
                         "largest incomplete message (%zu bytes)",
                         cfg->max_buffered_bytes_per_uid, (unsigned)c->uid, most);
     else
-        pb__conn_refuse(victim,
+        pb__conn_refuse(victim, "max_buffered_bytes",
                         "max_buffered_bytes (%zu) is reached and this connection holds the largest incomplete "
                         "message (%zu bytes)",
                         cfg->max_buffered_bytes, most);

@@ -643,6 +643,50 @@ static void test_unexpected_msgid_queued(void **state)
     pb_client_close(c);
 }
 
+/* A daemon that closes the connection after an error under msgid 0 (a
+ * connection past max_connections_per_uid, a parse error): the call that
+ * meets the close gets that error as its reply, not -EPIPE, whether its
+ * send already failed or it was waiting.  With no such error, -EPIPE. */
+static void test_closed_with_reason(void **state)
+{
+    (void)state;
+    msgpack_sbuffer sb;
+    msgpack_sbuffer_init(&sb);
+    pack_err(&sb, 0, "resource_exhausted", "uid 0 has max_connections_per_uid (1) connections open");
+    for (int when = 0; when < 3; when++) {
+        int peer;
+        pb_client_t *c = pair_client(&peer);
+        if (when == 0) { /* closed before the request is sent: the send meets EPIPE */
+            write_all(peer, sb.data, sb.size);
+            close(peer);
+        }
+        msgpack_packer *pk = pb_client_begin(c, "hello");
+        msgpack_pack_map(pk, 0);
+        pb_reply_t r;
+        if (when == 0) {
+            assert_int_equal(pb_client_call(c, &r), 0);
+        } else {
+            uint32_t id;
+            assert_int_equal(pb_client_send(c, &id), 0);
+            if (when == 1)
+                write_all(peer, sb.data, sb.size);
+            close(peer);
+            if (when == 2) { /* closed with nothing said */
+                assert_int_equal(pb_client_wait(c, id, &r), -EPIPE);
+                pb_client_close(c);
+                continue;
+            }
+            assert_int_equal(pb_client_wait(c, id, &r), 0);
+        }
+        assert_int_equal(r.msgid, 0);
+        assert_string_equal(pb_reply_code(&r), "resource_exhausted");
+        assert_non_null(strstr(pb_reply_message(&r), "max_connections_per_uid"));
+        pb_reply_free(&r);
+        pb_client_close(c);
+    }
+    msgpack_sbuffer_destroy(&sb);
+}
+
 static void test_recv_malformed(void **state)
 {
     (void)state;
@@ -1289,6 +1333,7 @@ int main(void)
         cmocka_unit_test(test_send_encoding),
         cmocka_unit_test(test_send_in_place),
         cmocka_unit_test(test_pipeline_no_deadlock),
+        cmocka_unit_test(test_closed_with_reason),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

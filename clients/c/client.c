@@ -759,6 +759,27 @@ bool pb_client_pending(pb_client_t *c)
     return c->qlen > 0;
 }
 
+/* The daemon closed the connection (EOF, or a write that met EPIPE): an
+ * error it sent under msgid 0 before closing (a parse_error, the
+ * resource_exhausted of a connection past max_connections_per_uid) is the
+ * answer to what the caller waits for, not "Broken pipe".  Reads what is
+ * left in the socket first. */
+static int closed_reply(pb_client_t *c, pb_reply_t *out)
+{
+    pb_reply_t r;
+    while (client_read_reply(c, &r, 0) == 0)
+        if (queue_push(c, &r) < 0) {
+            pb_reply_free(&r);
+            break;
+        }
+    for (size_t i = 0; i < c->qlen; i++)
+        if (c->queue[i].msgid == 0 && c->queue[i].error != NULL) {
+            queue_take(c, i, out);
+            return 0;
+        }
+    return -EPIPE;
+}
+
 int pb_client_wait(pb_client_t *c, uint32_t msgid, pb_reply_t *out)
 {
     if (c == NULL || out == NULL)
@@ -772,6 +793,8 @@ int pb_client_wait(pb_client_t *c, uint32_t msgid, pb_reply_t *out)
     for (;;) {
         pb_reply_t r;
         int rc = client_read_reply(c, &r, -1);
+        if (rc == -EPIPE)
+            return closed_reply(c, out);
         if (rc < 0)
             return rc;
         if (r.msgid == msgid) {
@@ -1045,6 +1068,8 @@ int pb_client_call(pb_client_t *c, pb_reply_t *out)
     if (c == NULL || out == NULL)
         return -EINVAL;
     int rc = pb_client_send(c, &id);
+    if (rc == -EPIPE)
+        return closed_reply(c, out);
     if (rc < 0)
         return rc;
     return pb_client_wait(c, id, out);

@@ -160,7 +160,11 @@ PB_CLIENT_API int pb_client_recv_timeout(pb_client_t *c, pb_reply_t *out, int ti
 
 /* Send the begun request and wait for its reply.  Replies to other msgids
  * that arrive first are queued for later pb_client_recv()/pb_client_call().
- * 0 means a reply came, which may still carry an error: check out->error. */
+ * 0 means a reply came, which may still carry an error: check out->error.
+ * When the daemon closed the connection after an error under msgid 0 (a
+ * parse_error, or resource_exhausted for a connection past a cap), that
+ * error is the reply (out->msgid 0), here and in pb_client_wait(); a close
+ * with nothing said is -EPIPE. */
 PB_CLIENT_API int pb_client_call(pb_client_t *c, pb_reply_t *out);
 
 /* Wait for the reply to msgid (sent earlier with pb_client_send()), queuing

@@ -244,6 +244,11 @@ static int ctl_call(ctl_t *x, const char *method, pb_reply_t *r)
     msgpack_pack_map(pk, 0);
     uint32_t id;
     int rc = pb_client_send(x->c, &id);
+    bool sent = rc == 0;
+    /* A daemon that closed the connection (max_connections_per_uid) may
+     * have said why under msgid 0 first: that is the answer to report. */
+    if (rc == -EPIPE)
+        rc = 0;
     uint64_t deadline = now_ns() + (uint64_t)x->timeout_ms * 1000000u;
     while (rc == 0) {
         uint64_t now = now_ns();
@@ -251,7 +256,7 @@ static int ctl_call(ctl_t *x, const char *method, pb_reply_t *r)
         rc = pb_client_recv_timeout(x->c, r, left);
         if (rc < 0)
             break;
-        if (r->msgid == id)
+        if ((sent && r->msgid == id) || (r->msgid == 0 && r->error != NULL))
             break;
         pb_reply_free(r); /* not ours: nothing else was sent on this connection */
     }

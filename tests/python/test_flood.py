@@ -326,8 +326,19 @@ class ConnectionsPerUid(DaemonCase):
         self.assertIsNotNone(e)
         self.assertEqual(e[2]["code"], "resource_exhausted")
         self.assertIn("max_connections_per_uid", e[2]["message"])
+        self.assertEqual(e[2]["limit"], "max_connections_per_uid")
         self.assertEqual(extra.recv(1), b"")  # then closed
         extra.close()
+        # The client says so too, not BrokenPipeError, whether its send
+        # met the close or its wait did.
+        for pause in (0.3, 0):
+            c = pullbackd.Client(self.path, timeout=10)
+            time.sleep(pause)
+            with self.assertRaises(pullbackd.PullbackError) as cm:
+                c.hello()
+            self.assertEqual(cm.exception.code, "resource_exhausted")
+            self.assertEqual(cm.exception.details["limit"], "max_connections_per_uid")
+            c.close()
         clients.pop().close()
         time.sleep(0.2)
         with pullbackd.Client(self.path, timeout=10) as c:

@@ -651,8 +651,24 @@ class Client:
         """
         msgid = self._next_msgid
         self._next_msgid = (msgid + 1) & 0xFFFFFFFF or 1  # msgid 0 is the daemon's for parse errors
-        self._write([0, msgid, method, [params or {}]], fds)
+        try:
+            self._write([0, msgid, method, [params or {}]], fds)
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise self._why_closed() or e
         return msgid
+
+    def _why_closed(self):
+        """The error the daemon sent under msgid 0 before it closed the
+        connection (a connection past max_connections_per_uid, a parse
+        error), read from what is left in the socket; None if it sent none."""
+        try:
+            while True:
+                got, value = self._read_reply()
+                if got == 0 and isinstance(value, PullbackError):
+                    return value
+                self._stash[got] = value
+        except (OSError, ValueError):
+            return None
 
     def notify(self, method, params=None):
         """Send a notification (no reply comes)."""
