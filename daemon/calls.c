@@ -170,8 +170,8 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
                                             : pb__enc_check;
     r->job.run = kind == PB_CALL_CHECK ? run_check : run_forward;
     r->job.done = kind == PB_CALL_CHECK ? check_done : forward_done;
-    /* A check runs the op about 4·|wrt| + 2 times. */
-    double cost = x->call.cost * (kind == PB_CALL_CHECK ? 4.0 * x->call.op->nwrt + 2 : 1);
+    /* A check runs the op up to 8·|wrt| + 2 times (kernels/check.c). */
+    double cost = x->call.cost * (kind == PB_CALL_CHECK ? 8.0 * x->call.op->nwrt + 2 : 1);
     pb__req_submit(r, cost, x->call.device);
 }
 

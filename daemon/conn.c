@@ -326,8 +326,15 @@ static bool blocked(const pb_conn_t *c)
  * connection closes.  Bytes of a message it never finished are dropped. */
 static void eof_check(pb_conn_t *c)
 {
-    if (!c->eof || c->closing || c->close_after_flush || c->last_read || c->processing || blocked(c))
+    if (!c->eof || c->closing || c->close_after_flush || c->last_read || c->processing)
         return;
+    if (blocked(c)) {
+        /* Complete messages may wait behind the caps: paused, the next
+         * reply written or request answered takes them up (on_write,
+         * pb_conn_request_done), and checks again. */
+        c->paused = true;
+        return;
+    }
     if (c->drain_left > 0) { /* nothing more of it can come: it holds no drain */
         c->drain_left = 0;
         c->set->cb.on_idle(c->set->cb.data);
@@ -339,14 +346,17 @@ static void eof_check(pb_conn_t *c)
 }
 
 /* EOF on a socket whose peer still reads: it shut only its writing side
- * (a peer that closed shows POLLHUP). */
+ * (a peer that closed shows POLLHUP).  Only POLLHUP is asked: POLLOUT
+ * would be missing whenever replies fill the socket, as a client that
+ * reads only after its shutdown lets them. */
 static bool half_closed(pb_conn_t *c)
 {
     uv_os_fd_t fd;
     if (uv_fileno((uv_handle_t *)&c->pipe, &fd) != 0)
         return false;
-    struct pollfd p = {.fd = fd, .events = POLLOUT};
-    return poll(&p, 1, 0) == 1 && !(p.revents & (POLLHUP | POLLERR));
+    struct pollfd p = {.fd = fd, .events = 0};
+    int n = poll(&p, 1, 0);
+    return n == 0 || (n == 1 && !(p.revents & (POLLHUP | POLLERR)));
 }
 
 static void process(pb_conn_t *c)
@@ -606,6 +616,8 @@ static void on_write(uv_write_t *w, int status)
         pb_conn_close(c);
     else if (!c->closing && c->paused && !blocked(c))
         process(c);
+    else
+        eof_check(c);
     pb_conns_t *s = c->set;
     pb_conn_unref(c);
     s->cb.on_idle(s->cb.data);

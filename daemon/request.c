@@ -177,6 +177,10 @@ static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err
             if (v->type != MSGPACK_OBJECT_STR || v->via.str.size > PB_OPT_TEXT_MAX)
                 return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be a string of at most %d bytes",
                                   sp->name, PB_OPT_TEXT_MAX);
+            /* Kept NUL-terminated: a NUL inside would cut it short unseen. */
+            if (memchr(v->via.str.ptr, 0, v->via.str.size) || !pb_utf8_valid(v->via.str.ptr, v->via.str.size))
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be UTF-8 text without NUL bytes, got '%s'",
+                                  sp->name, key_text(QUOTED, v));
             memcpy(ov->text, v->via.str.ptr, v->via.str.size);
             ov->text[v->via.str.size] = 0;
             break;

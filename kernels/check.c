@@ -161,20 +161,33 @@ int pb_check_run(pb_call_t *c, uint64_t seed, double *max_rel, double per_input[
         } else
             for (size_t i = 0; i < ncomp(x); i++)
                 amax = fmax(amax, fabs(comp_get(x, i)));
-        /* The step is relative to the input's size: an absolute floor would
-         * step past an input of 1e-20 altogether and report a correct rule
-         * wrong. */
-        double h = (c->op->fd_step > 0 ? c->op->fd_step : 1e-3) * (amax > 0 ? amax : 1.0), l[4];
-        const double ts[4] = {h, -h, 2 * h, -2 * h};
-        for (int j = 0; j < 4 && rc == 0; j++)
-            rc = loss_at(c, hd, k, ts[j], &dir, cot, &l[j], err);
-        if (rc == 0) {
+        /* Two steps for an input under 1 in size: one relative to it (an
+         * absolute step would pass an input of 1e-20 altogether) and the
+         * step of size 1 (a relative one drowns in the rounding of a loss
+         * that other inputs make large); the error is the smaller.  Either
+         * difference is accurate where it applies, so a wrong rule fails
+         * both and a right one passes one.  (The relative step goes first:
+         * the other may move a truncation, which gives it no estimate.) */
+        const double step = c->op->fd_step > 0 ? c->op->fd_step : 1e-3;
+        const bool small = amax > 0 && amax < 1;
+        const double hs[2] = {step * (small ? amax : fmax(1.0, amax)), step};
+        const double an = dot(&gc, &dir), scale = sqrt(dot(&gc, &gc) * dot(&dir, &dir));
+        double e = INFINITY;
+        for (int t = 0; t < (small ? 2 : 1) && rc == 0; t++) {
+            double h = hs[t], l[4];
+            const double ts[4] = {h, -h, 2 * h, -2 * h};
+            for (int j = 0; j < 4 && rc == 0; j++)
+                rc = loss_at(c, hd, k, ts[j], &dir, cot, &l[j], err);
+            if (rc && t == 1) { /* a step past the input's scale may move a truncation: no estimate */
+                rc = 0;
+                break;
+            }
+            if (rc)
+                break;
             double fd = (8.0 * (l[0] - l[1]) - (l[2] - l[3])) / (12.0 * h);
-            double an = dot(&gc, &dir);
-            double scale = sqrt(dot(&gc, &gc) * dot(&dir, &dir));
-            double e = fabs(an - fd) / fmax(scale, 1e-300);
-            if (scale == 0)
-                e = fabs(fd) > 0 ? 1.0 : 0.0;
+            e = fmin(e, scale == 0 ? (fabs(fd) > 0 ? 1.0 : 0.0) : fabs(an - fd) / fmax(scale, 1e-300));
+        }
+        if (rc == 0) {
             per_input[k] = e;
             worst = fmax(worst, e);
         }

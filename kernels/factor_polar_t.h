@@ -149,10 +149,12 @@ static int FN(polar_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const 
     /* Terms dividing by Sᵢ + Sⱼ or Sⱼ are dropped below rank_atol, but never
      * above eps^¾·S₁: the contract's default rank_atol, eps(max|A_ij|)^¾,
      * passes every singular value of a well-conditioned A of 1e-60 and
-     * would zero its gradient. */
+     * would zero its gradient.  Nor below the smallest normal number: a
+     * zero A (S₁ = 0) divides by nothing. */
+    const bool single = DT == PB_F32 || DT == PB_C64;
     const RT *S = pb_tensor_data(s2);
-    double tol = fmin(op->rank_atol, pow(DT == PB_F32 || DT == PB_C64 ? FLT_EPSILON : DBL_EPSILON, 0.75) *
-                                         (nn > 0 ? (double)S[0] : 0.0));
+    double rel = pow(single ? FLT_EPSILON : DBL_EPSILON, 0.75) * (nn > 0 ? (double)S[0] : 0.0);
+    double tol = fmax(fmin(op->rank_atol, rel), single ? FLT_MIN : DBL_MIN);
     rc = FN(polar_pullback)(pb_tensor_data(s0), mm, nn, pb_tensor_data(s1), S, right ? c2 : c0, c1, right ? dAa : dA,
                             tol);
     if (right && rc == 0)

@@ -97,7 +97,11 @@ static void trace_loop(pb_loop_t *L, const trace_spec_t *s, const pb_tview_t *y,
     for (int i = 0; i < s->nq; i++) {
         L->dim[s->np + i] = a->shape[(int)s->q1[i]];
         L->s[0][s->np + i] = 0;
-        L->s[1][s->np + i] = a->stride[(int)s->q1[i]] + a->stride[(int)s->q2[i]];
+        /* Saturating: an empty A's strides may be INT64_MAX (pb_dense_strides). */
+        int64_t st;
+        if (__builtin_add_overflow(a->stride[(int)s->q1[i]], a->stride[(int)s->q2[i]], &st))
+            st = INT64_MAX;
+        L->s[1][s->np + i] = st;
     }
 }
 

@@ -109,27 +109,25 @@ int pb_tensor_decode_with(const msgpack_object *o, pb_storage_t *msg, const pb_r
 {
     if (o->type != MSGPACK_OBJECT_MAP)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s must be a tensor map {dtype, shape, data}", what);
-    const msgpack_object *dt = NULL, *shape = NULL, *order = NULL, *data = NULL, *buffer = NULL, *offset = NULL;
+    static const char *const keys[6] = {"dtype", "shape", "order", "data", "buffer", "offset"};
+    const msgpack_object *val[6] = {NULL};
     for (uint32_t i = 0; i < o->via.map.size; i++) {
         const msgpack_object *k = &o->via.map.ptr[i].key, *v = &o->via.map.ptr[i].val;
-        if (pb__obj_is_str(k, "dtype"))
-            dt = v;
-        else if (pb__obj_is_str(k, "shape"))
-            shape = v;
-        else if (pb__obj_is_str(k, "order"))
-            order = v;
-        else if (pb__obj_is_str(k, "data"))
-            data = v;
-        else if (pb__obj_is_str(k, "buffer"))
-            buffer = v;
-        else if (pb__obj_is_str(k, "offset"))
-            offset = v;
+        int j = 0;
+        while (j < 6 && !pb__obj_is_str(k, keys[j]))
+            j++;
+        if (j < 6 && val[j])
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: tensor key '%s' is given twice", what, keys[j]);
+        if (j < 6)
+            val[j] = v;
         else if (k->type == MSGPACK_OBJECT_STR)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: unknown tensor key '%s'", what,
                               pb_quote(&(pb_quoted_t){{0}}, k->via.str.ptr, k->via.str.size));
         else
             return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: tensor keys must be strings", what);
     }
+    const msgpack_object *dt = val[0], *shape = val[1], *order = val[2], *data = val[3], *buffer = val[4],
+                         *offset = val[5];
     pb_dtype_t d;
     if (dt == NULL || dt->type != MSGPACK_OBJECT_STR)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: dtype must be one of \"f32\", \"f64\", \"c64\", \"c128\"",

@@ -27,10 +27,10 @@ const char *pb_strerror(int code)
 size_t pb_utf8_char(const char *str, size_t len)
 {
     const unsigned char *s = (const unsigned char *)str;
-    unsigned c = s[0], min;
-    size_t n;
     if (len == 0)
         return 0;
+    unsigned c = s[0], min;
+    size_t n;
     if (c < 0x80)
         return 1;
     if ((c & 0xe0) == 0xc0)

@@ -265,6 +265,45 @@ static void tiny_scales(void **state)
             fd_check(&c, what);
             pb_call_clear(&c);
         }
+        /* A zero A (S₁ = 0): the bound has a floor, nothing is divided by
+         * zero (0/0 made every entry NaN), the gradient is finite. */
+        for (int right = 0; right < 2; right++) {
+            int m = right ? 2 : 3, n = right ? 3 : 2;
+            pb_call_t c;
+            call_init(&c, right ? "right_polar" : "left_polar", d, 'F');
+            make_A(&c.in[0], d, m, n, 'F', RANDOM);
+            for (size_t i = 0; i < (size_t)m; i++)
+                for (size_t j = 0; j < (size_t)n; j++)
+                    set(&c.in[0], i, j, 0);
+            pb_err_t err = {0};
+            c.wrt = 1;
+            c.taped = true;
+            pb_call_defaults(&c);
+            assert_int_equal(c.op->validate(&c, &err), 0);
+            pb_tapedata_t tape;
+            assert_int_equal(pb_op_run_forward(&c, &tape, &err), 0);
+            pb_tensor_t cot[PB_MAX_IO] = {{0}}, grad[PB_MAX_IO + 2] = {{0}};
+            for (int o = 0; o < 2; o++) {
+                uint64_t sh[2] = {tape.out_meta[o].shape[0], tape.out_meta[o].shape[1]};
+                assert_int_equal(pb_tensor_alloc(&cot[o], d, 2, sh, 'F', false), 0);
+                for (size_t i = 0; i < sh[0]; i++)
+                    for (size_t j = 0; j < sh[1]; j++)
+                        set(&cot[o], i, j, 1);
+            }
+            pb_warnings_t warn = {0};
+            assert_int_equal(pb_op_run_reverse(&tape, cot, grad, 'F', &warn, &err), 0);
+            for (size_t i = 0; i < (size_t)m; i++)
+                for (size_t j = 0; j < (size_t)n; j++)
+                    if (!isfinite(creal(get(&grad[0], i, j))) || !isfinite(cimag(get(&grad[0], i, j))))
+                        fail_msg("%s %s of zeros: gradient (%zu, %zu) is not finite", c.op->name, pb_dtype_name(d), i,
+                                 j);
+            for (int o = 0; o < PB_MAX_IO; o++)
+                pb_tensor_clear(&cot[o]);
+            for (int o = 0; o < PB_MAX_IO + 2; o++)
+                pb_tensor_clear(&grad[o]);
+            pb_tapedata_clear(&tape);
+            pb_call_clear(&c);
+        }
     }
 }
 

@@ -159,6 +159,14 @@ class TensorOpsTest(DaemonCase):
                          options={"spec": "ij,jk->ik", "alpha": 1 + 1j})
         self.assertLess(r["max_rel_err"], 1e-8)
         self.assertEqual(set(r["per_input"]), {"A", "B", "alpha"})
+        # Inputs of very different sizes in one output: a step relative to
+        # a tiny A drowns in the rounding of the loss C makes, a step of 1
+        # passes a tiny A altogether; check takes the better of the two.
+        C = self.rand((3, 4), np.float64)
+        for scale in (1, 1e-8, 1e-20):
+            r = self.c.check("tensoradd", {"A": self.rand((3, 4), np.float64) * scale, "C": C},
+                             wrt=["A", "C"], options={"beta": 1.0})
+            self.assertLess(r["max_rel_err"], 1e-8, scale)
 
     def test_ops_catalogue(self):
         ops = self.c.ops()["ops"]

@@ -6,7 +6,11 @@ that what is on the wire is exactly what the test says.
 """
 
 import math
+import os
+import signal
 import socket
+import tempfile
+import time
 import unittest
 
 import msgpack
@@ -178,6 +182,30 @@ class WireCompatTest(DaemonCase):
         # The daemon is no worse for it.
         self.assertEqual(self.raw.call("hello", {})[1]["protocol"], 1)
 
+    def test_half_close_with_replies_unread(self):
+        # The same client with 4 MB of replies it reads only later: the
+        # socket is full when the EOF is seen (the daemon once took "not
+        # writable" for "gone" and dropped the request on the worker).
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(self.path)
+        pk = msgpack.Packer()
+        A = np.random.default_rng(3).standard_normal((300, 300))
+        sock.sendall(b"".join([pk.pack([0, 1000, "forward", [{"op": "svd_vals", "inputs": {"A": tensor(A)}}]])] +
+                              [pk.pack([0, i, "ops", [{}]]) for i in range(1000)]))
+        sock.shutdown(socket.SHUT_WR)
+        time.sleep(0.5)
+        sock.settimeout(30)
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=0)
+        while True:
+            data = sock.recv(1 << 20)
+            if not data:
+                break
+            unpacker.feed(data)
+        sock.close()
+        got = {m[1]: m for m in unpacker}
+        self.assertEqual(sorted(got), list(range(1001)))
+        self.assertIsNone(got[1000][2])
+
     def test_error_messages_are_utf8(self):
         # A name the client sent is quoted in the error: bytes that are not
         # UTF-8, control characters and NUL as \xNN, so the reply stays a
@@ -197,6 +225,11 @@ class WireCompatTest(DaemonCase):
             ("hel\x00lo", {}, "unknown_method", "unknown method 'hel\\x00lo'"),
             # A long name is cut before a character, never inside one.
             ("forward", {"op": "é" * 30}, "unknown_op", "unknown op '" + "é" * 20 + "...'"),
+            # A text option is UTF-8 without NUL (a NUL cut it short unseen).
+            ("forward", {"op": "tensorcontract", "inputs": {"A": eye, "B": eye}, "options": {"spec": "ij,jk" + bad}},
+             "invalid_argument", "got 'ij,jk\\xff\\xfe'"),
+            ("forward", {"op": "tensorcontract", "inputs": {"A": eye, "B": eye},
+                         "options": {"spec": "ij,jk->ik\x00x"}}, "invalid_argument", "without NUL"),
         ]
         for i, (method, params, code, text) in enumerate(cases):
             self.raw.sock.sendall(pk.pack([0, 100 + i, method, [params]]))
@@ -227,6 +260,12 @@ class WireCompatTest(DaemonCase):
         err, res = self.raw.call("reverse", {"tape": res["tape"], "cotangents": {"C": G}})
         self.assertIsNone(err, err)
         self.assertEqual(res["gradients"]["A"]["shape"], E["shape"])
+        # Two saturated strides traced against each other are added, too.
+        E4 = {"dtype": "f64", "shape": [0] + [2 ** 40] * 4, "data": b""}
+        err, res = self.raw.call("forward", {"op": "tensortrace", "inputs": {"A": E4},
+                                             "options": {"p": [0], "q": [[1, 3], [2, 4]]}})
+        self.assertIsNone(err, err)
+        self.assertEqual(res["outputs"]["C"]["shape"], [0])
 
     def test_vectors_say_the_order_asked_for(self):
         # Contract section 2: results come back in C order unless the params
@@ -252,6 +291,19 @@ class WireCompatTest(DaemonCase):
             self.assertIsNone(err, err)
             self.assertEqual(res["gradients"]["A"]["order"], order or "C")
 
+    def test_tensor_key_given_twice(self):
+        # {"dtype": "f64", "shape": [1], "data": <8 bytes>, "dtype": "f32"} as input A.
+        t = (b"\x84\xa5dtype\xa3f64\xa5shape\x91\x01\xa4data\xc4\x08" + b"\x00" * 8 +
+             b"\xa5dtype\xa3f32")
+        msg = (b"\x94\x00\x09\xa7forward\x91\x82\xa2op\xa9tensoradd\xa6inputs\x81\xa1A" + t)
+        self.raw.sock.sendall(msg)
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(self.raw.sock.recv(1 << 16))
+        reply = next(unpacker)
+        self.assertEqual(reply[1], 9)
+        self.assertEqual(reply[2]["code"], "invalid_argument")
+        self.assertIn("'dtype' is given twice", reply[2]["message"])
+
     def test_params_key_given_twice(self):
         # msgpack maps may repeat a key; which one counts is no guess for
         # the daemon to make: [0, 7, "release", [{"tape": 1, "tape": 2}]].
@@ -264,6 +316,46 @@ class WireCompatTest(DaemonCase):
         self.assertEqual(reply[2]["code"], "invalid_argument")
         self.assertEqual(reply[2]["arg"], "tape")
         self.assertIn("given twice", reply[2]["message"])
+
+
+class HalfCloseReload(DaemonCase):
+    """A half-closed connection whose reply outgrows a cap a reload lowered
+    while its request ran still gets its EOF once the reply is written (it
+    stayed open for good: nothing looked again after the write)."""
+
+    CONF = os.path.join(tempfile.mkdtemp(prefix="pbconf"), "pullbackd.conf")
+    DAEMON_ARGS = ["--config", CONF]
+
+    @classmethod
+    def setUpClass(cls):
+        with open(cls.CONF, "w") as f:
+            f.write("max-queued-bytes-per-connection = 64M\n")
+        super().setUpClass()
+
+    def test_eof_after_the_cap_fell(self):
+        n = 900
+        A = np.random.default_rng(1).standard_normal((n, n))
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(self.path)
+        sock.sendall(msgpack.packb([0, 7, "forward", [{"op": "svd_full", "inputs": {"A": tensor(A)}}]]))
+        sock.shutdown(socket.SHUT_WR)
+        time.sleep(0.05)  # the SVD runs (about a second here)
+        with open(self.CONF, "w") as f:
+            f.write("max-queued-bytes-per-connection = 1M\n")
+        self.proc.send_signal(signal.SIGHUP)
+        time.sleep(2)  # the reply (13 MB) is queued when the request ends: the socket is full
+        sock.settimeout(20)
+        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=0)
+        while True:
+            data = sock.recv(1 << 20)  # a timeout here is the defect
+            if not data:
+                break
+            unpacker.feed(data)
+        sock.close()
+        (reply,) = list(unpacker)
+        self.assertEqual(reply[1], 7)
+        self.assertIsNone(reply[2])
+        self.assertEqual(reply[3]["outputs"]["U"]["shape"], [n, n])
 
 
 class PynvimTest(DaemonCase):
