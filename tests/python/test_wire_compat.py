@@ -54,6 +54,17 @@ def array(t):
     return np.frombuffer(t["data"], dtype="<f8").reshape(t["shape"])
 
 
+def read_to_eof(sock, timeout):
+    """Every message sock receives until the daemon's EOF (a timeout raises)."""
+    sock.settimeout(timeout)
+    unpacker = msgpack.Unpacker(raw=False, max_buffer_size=0)
+    while True:
+        data = sock.recv(1 << 20)
+        if not data:
+            return list(unpacker)
+        unpacker.feed(data)
+
+
 class Raw:
     """One connection that writes msgpack-RPC requests packed as told."""
 
@@ -165,15 +176,8 @@ class WireCompatTest(DaemonCase):
                      pk.pack([0, 2, "hello", [{}]]) +
                      pk.pack([0, 3, "hello", [{}]])[:5])  # a message never finished: dropped
         sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(30)
-        unpacker = msgpack.Unpacker(raw=False)
-        while True:
-            data = sock.recv(1 << 16)
-            if not data:
-                break
-            unpacker.feed(data)
+        replies = {m[1]: m for m in read_to_eof(sock, 30)}
         sock.close()
-        replies = {m[1]: m for m in unpacker}
         self.assertEqual(sorted(replies), [1, 2])
         self.assertIsNone(replies[1][2], replies[1][2])
         np.testing.assert_allclose(np.frombuffer(replies[1][3]["outputs"]["S"]["data"], "<f8"),
@@ -194,15 +198,8 @@ class WireCompatTest(DaemonCase):
                               [pk.pack([0, i, "ops", [{}]]) for i in range(1000)]))
         sock.shutdown(socket.SHUT_WR)
         time.sleep(0.5)
-        sock.settimeout(30)
-        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=0)
-        while True:
-            data = sock.recv(1 << 20)
-            if not data:
-                break
-            unpacker.feed(data)
+        got = {m[1]: m for m in read_to_eof(sock, 30)}
         sock.close()
-        got = {m[1]: m for m in unpacker}
         self.assertEqual(sorted(got), list(range(1001)))
         self.assertIsNone(got[1000][2])
 
@@ -344,15 +341,8 @@ class HalfCloseReload(DaemonCase):
             f.write("max-queued-bytes-per-connection = 1M\n")
         self.proc.send_signal(signal.SIGHUP)
         time.sleep(2)  # the reply (13 MB) is queued when the request ends: the socket is full
-        sock.settimeout(20)
-        unpacker = msgpack.Unpacker(raw=False, max_buffer_size=0)
-        while True:
-            data = sock.recv(1 << 20)  # a timeout here is the defect
-            if not data:
-                break
-            unpacker.feed(data)
+        (reply,) = read_to_eof(sock, 20)  # a timeout here is the defect
         sock.close()
-        (reply,) = list(unpacker)
         self.assertEqual(reply[1], 7)
         self.assertIsNone(reply[2])
         self.assertEqual(reply[3]["outputs"]["U"]["shape"], [n, n])
