@@ -149,7 +149,11 @@ void pb__enc_stats(pb_req_t *r, pb_out_t *o)
         npeers += s->tapes.peers[i].tapes > 0 && (all || s->tapes.peers[i].uid == uid);
     size_t nbuf, buf_bytes;
     pb_shm_totals(&nbuf, &buf_bytes);
-    msgpack_pack_map(&o->pk, 12);
+    msgpack_pack_map(&o->pk, 13);
+    /* serving; draining (the admin's drain: no new forward calls); stopping
+     * (SIGTERM or shutdown: the drain before the exit). */
+    pb_out_str(o, "state");
+    pb_out_str(o, s->stopping ? "stopping" : s->draining ? "draining" : "serving");
     pb_out_str(o, "tapes");
     msgpack_pack_uint64(&o->pk, s->tapes.count);
     pb_out_str(o, "tape_bytes");

@@ -488,9 +488,17 @@ class Drain(DaemonCase):
     def test_drain(self):
         with pullbackd.Client(self.path) as c:
             tape = make_tapes(c, 1)[0]
+            rc, out, err = ctl("--socket", self.path, "status")
+            self.assertRegex(out, r"\nstate +serving\n")
             rc, out, err = ctl("--socket", self.path, "drain")
             self.assertEqual(rc, 0, err)
             self.assertIn("draining", out)
+            # status says so (it looked like any daemon's before)
+            rc, out, err = ctl("--socket", self.path, "status")
+            self.assertRegex(out, r"\nstate +draining \(no new forward calls")
+            self.assertEqual(json.loads(ctl("--socket", self.path, "status", "--json")[1])["state"],
+                             "draining")
+            self.assertEqual(c.stats()["state"], "draining")
             d = json.loads(ctl("--socket", self.path, "drain", "--json")[1])
             self.assertEqual(d, {"socket": self.path, "daemon_pid": self.proc.pid, "draining": True})
             with self.assertRaises(pullbackd.PullbackError) as e:

@@ -327,6 +327,10 @@ static void status_text(const ctl_t *x, const msgpack_object *hello, const msgpa
             printf(", resident memory %s", human_bytes(rss, h, sizeof h));
         printf("\n");
     }
+    const msgpack_object *state = pb_obj_get(st, "state");
+    if (state && state->type == MSGPACK_OBJECT_STR)
+        printf("%-18s%.*s%s\n", "state", (int)state->via.str.size, state->via.str.ptr,
+               pb_obj_strcmp(state, "draining") == 0 ? " (no new forward calls; reverse and release served)" : "");
     if (pb_obj_double(pb_obj_get(st, "uptime_s"), &up) == 0)
         printf("%-18s%s\n", "uptime", human_duration(up, h, sizeof h));
     else
