@@ -25,7 +25,8 @@
  * when it goes. */
 #define TRIM_AFTER(c) ((c)->set->cfg->max_queued_bytes_per_connection / 4)
 /* Small replies batched for the loop's flush are written once they are
- * this many bytes (pb_conn_send). */
+ * this many bytes, or past max_queued_bytes_per_connection when that is
+ * smaller (pb_conn_send). */
 #define OBUF_MAX (256u << 10)
 
 static void on_close(uv_handle_t *h)
@@ -715,7 +716,7 @@ void pb_conn_send(pb_conn_t *c, pb_out_t *o)
          * which bounds a connection (blocked), or one read of tiny requests
          * with big replies (ops, 25 bytes in and 4 KiB out) would queue
          * hundreds of times its size before the flush. */
-        if (c->obuf.size >= OBUF_MAX)
+        if (c->obuf.size >= OBUF_MAX || c->obuf.size > c->set->cfg->max_queued_bytes_per_connection)
             flush(c);
         return;
     }
