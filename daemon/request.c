@@ -145,7 +145,8 @@ static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err
             else if (v->type == MSGPACK_OBJECT_NEGATIVE_INTEGER)
                 ov->i = v->via.i64;
             else
-                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be an integer", sp->name);
+                return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be an integer from -2^63 to 2^63-1",
+                                  sp->name);
             break;
         case PB_OPT_FLOAT:
             if (!pb__obj_number(v, &ov->re))
