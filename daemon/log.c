@@ -28,8 +28,14 @@ void pb_log(int level, const char *fmt, ...)
 {
     if (level > pb_log_level)
         return;
+    /* The journal reads the level from a "<N>" prefix (sd-daemon.h); a
+     * person at a terminal reads its name. */
+    static _Atomic int tty = -1;
+    if (tty < 0)
+        tty = isatty(STDERR_FILENO);
     char line[1024];
-    int n = snprintf(line, sizeof line, "<%d>", level);
+    int n = tty ? snprintf(line, sizeof line, "pullbackd %s: ", pb_log_level_name(level))
+                : snprintf(line, sizeof line, "<%d>", level);
     va_list ap;
     va_start(ap, fmt);
     int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);

@@ -231,8 +231,9 @@ static int listen_activated(pb_server_t *s)
 
 static void ready(pb_server_t *s)
 {
-    pb_log(PB_LOG_NOTICE, "listening on %s%s (%d workers, max message %zu bytes%s%s)", s->cfg.socket_path,
-           s->activated ? " (socket from systemd)" : "", s->cfg.workers, s->cfg.max_message_bytes,
+    pb_log(PB_LOG_NOTICE, "listening on %s%s (%d worker%s, max message %zu bytes%s%s)", s->cfg.socket_path,
+           s->activated ? " (socket from systemd)" : "", s->cfg.workers, s->cfg.workers == 1 ? "" : "s",
+           s->cfg.max_message_bytes,
            s->cfg.config_file[0] ? ", config " : "", s->cfg.config_file);
     char blas[256];
     pb_blas_describe(blas, sizeof blas);

@@ -509,6 +509,42 @@ class Drain(DaemonCase):
             self.assertEqual(ctl("--socket", self.path, "tapes")[0], 0)
 
 
+class LogOnATerminal(unittest.TestCase):
+    """The daemon's log names its levels on a terminal ("pullbackd notice:
+    ..."); to a pipe or the journal it keeps the "<N>" prefix the journal
+    reads the level from (e2e.service checks those)."""
+
+    def test_level_names(self):
+        import pty
+        d = tempfile.mkdtemp(prefix="pbtty")
+        path = os.path.join(d, "pullbackd.sock")
+        master, slave = pty.openpty()
+        proc = subprocess.Popen([DAEMON, "--socket", path, "--workers", "1"], stderr=slave)
+        os.close(slave)
+        try:
+            wait_for_socket(path, proc)
+            proc.terminate()
+            self.assertEqual(proc.wait(10), 0)
+            out = b""
+            while True:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # EIO: the terminal's other side is gone
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            text = out.decode()
+            self.assertIn(f"pullbackd notice: listening on {path} (1 worker, ", text)
+            self.assertNotIn("<5>", text)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            os.close(master)
+            shutil.rmtree(d)
+
+
 class Shutdown(unittest.TestCase):
     def test_shutdown_wait(self):
         d = tempfile.mkdtemp(prefix="pbctl")
