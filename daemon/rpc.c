@@ -190,6 +190,21 @@ static void reply_early(pb_rpc_t *rpc, pb_conn_t *c, uint32_t msgid, int code, c
     pb_metrics_observe(&rpc->metrics, rpc->metrics.nmethods, code, 0); /* no method: "other" */
 }
 
+/* The msgid of a message [0, msgid, ...] when it is a uint32; else false
+ * and *id stays 0 (the msgid of replies the daemon cannot pair). */
+static bool request_msgid(const msgpack_object *m, uint32_t *id)
+{
+    if (m->type != MSGPACK_OBJECT_ARRAY || m->via.array.size < 2)
+        return false;
+    const msgpack_object *a = m->via.array.ptr;
+    uint64_t v;
+    if (a[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER || a[0].via.u64 != 0 || !pb__obj_uint(&a[1], &v) ||
+        v > UINT32_MAX)
+        return false;
+    *id = (uint32_t)v;
+    return true;
+}
+
 void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
 {
     msgpack_zone *zone = pb_conn_zone(c);
@@ -210,25 +225,23 @@ void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
     }
     /* A request of the wrong length whose msgid can be read is answered
      * under it, so that a pipelining client can pair the error. */
-    uint64_t msgid = 0;
+    uint32_t msgid = 0;
+    bool has_id = request_msgid(m, &msgid);
     const msgpack_object *a = m->type == MSGPACK_OBJECT_ARRAY ? m->via.array.ptr : NULL;
-    if (a && m->via.array.size >= 2 && a[0].type == MSGPACK_OBJECT_POSITIVE_INTEGER && a[0].via.u64 == 0 &&
-        (!pb__obj_uint(&a[1], &msgid) || msgid > UINT32_MAX))
-        msgid = 0;
     if (a == NULL || m->via.array.size < 3 || a[0].type != MSGPACK_OBJECT_POSITIVE_INTEGER) {
-        reply_early(rpc, c, (uint32_t)msgid, PB_EINVALID_REQUEST, "%s",
+        reply_early(rpc, c, msgid, PB_EINVALID_REQUEST, "%s",
                     "not a msgpack-RPC request [0, msgid, method, [params]] or notification [2, method, [params]]");
         goto out;
     }
     uint64_t type = a[0].via.u64;
     bool notify = type == 2;
     if (type == 0 && m->via.array.size == 4) {
-        if (!pb__obj_uint(&a[1], &msgid) || msgid > UINT32_MAX) {
+        if (!has_id) {
             reply_early(rpc, c, 0, PB_EINVALID_REQUEST, "%s", "msgid must be a uint32");
             goto out;
         }
     } else if (!(notify && m->via.array.size == 3)) {
-        reply_early(rpc, c, (uint32_t)msgid, PB_EINVALID_REQUEST, "%s",
+        reply_early(rpc, c, msgid, PB_EINVALID_REQUEST, "%s",
                     "not a msgpack-RPC request [0, msgid, method, [params]] or notification [2, method, [params]]");
         goto out;
     }
@@ -244,20 +257,20 @@ void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
             pb_log(PB_LOG_NOTICE, "connection %llu: bad notification dropped: %s", (unsigned long long)pb_conn_id(c),
                    bad);
         else
-            reply_early(rpc, c, (uint32_t)msgid, PB_EINVALID_REQUEST, "%s", bad);
+            reply_early(rpc, c, msgid, PB_EINVALID_REQUEST, "%s", bad);
         goto out;
     }
 
     pb_req_t *r = calloc(1, sizeof *r);
     if (r == NULL) {
         if (!notify)
-            reply_early(rpc, c, (uint32_t)msgid, PB_ENOMEM, "%s", "out of memory");
+            reply_early(rpc, c, msgid, PB_ENOMEM, "%s", "out of memory");
         goto out;
     }
     r->conn = c;
     r->rpc = rpc;
     r->t0_ns = uv_hrtime();
-    r->msgid = (uint32_t)msgid;
+    r->msgid = msgid;
     r->notify = notify;
     pb_conn_ref(c);
     pb_conn_request_begin(c);
