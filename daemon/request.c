@@ -7,9 +7,7 @@
 #define MAX_TTL_S 31536000.0
 
 /* A map key or name the client sent, quoted for an error message ("?"
- * when it is no string); QUOTED is its buffer, which lives to the end of
- * the statement's block. */
-#define QUOTED (&(pb_quoted_t){{0}})
+ * when it is no string) in q (PB_QUOTED). */
 static const char *key_text(pb_quoted_t *q, const msgpack_object *k)
 {
     return k->type == MSGPACK_OBJECT_STR ? pb_quote(q, k->via.str.ptr, k->via.str.size) : "?";
@@ -19,24 +17,25 @@ static const char *key_text(pb_quoted_t *q, const msgpack_object *k)
  * two would count is no guess to leave to the daemon). */
 int pb_request_check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err)
 {
+    uint64_t seen = 0; /* by index in allowed (every list is far shorter than 64) */
     for (uint32_t i = 0; i < params->via.map.size; i++) {
         const msgpack_object *k = &params->via.map.ptr[i].key;
         if (k->type != MSGPACK_OBJECT_STR)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "params keys must be strings");
-        bool ok = false;
-        for (const char *const *a = allowed; *a && !ok; a++)
-            if ((ok = pb__obj_is_str(k, *a)))
-                for (uint32_t j = 0; j < i; j++)
-                    if (pb__obj_is_str(&params->via.map.ptr[j].key, *a))
-                        return pb_err_set(err, PB_EINVALID_ARGUMENT, *a, "params key '%s' is given twice", *a);
-        if (!ok) {
+        int j = 0;
+        while (allowed[j] && !pb__obj_is_str(k, allowed[j]))
+            j++;
+        if (!allowed[j]) {
             char list[200] = "none";
             size_t o = 0;
             for (const char *const *a = allowed; *a && o < sizeof list; a++)
                 o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", a == allowed ? "" : ", ", *a);
             return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "unknown key '%s' in params (expected: %s)",
-                              key_text(QUOTED, k), list);
+                              key_text(PB_QUOTED, k), list);
         }
+        if (seen >> j & 1)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, allowed[j], "params key '%s' is given twice", allowed[j]);
+        seen |= (uint64_t)1 << j;
     }
     return 0;
 }
@@ -107,7 +106,8 @@ static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err
         const msgpack_object *k = &opts->via.map.ptr[i].key, *v = &opts->via.map.ptr[i].val;
         int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_option_index(op, k->via.str.ptr, k->via.str.size) : -1;
         if (idx < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "options", "%s has no option '%s'", op->name, key_text(QUOTED, k));
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "options", "%s has no option '%s'", op->name,
+                              key_text(PB_QUOTED, k));
         const pb_opt_spec_t *sp = &op->options[idx];
         pb_optval_t *ov = &c->opt[idx];
         char arg[64];
@@ -181,7 +181,7 @@ static int parse_options(pb_call_t *c, const msgpack_object *opts, pb_err_t *err
             /* Kept NUL-terminated: a NUL inside would cut it short unseen. */
             if (memchr(v->via.str.ptr, 0, v->via.str.size) || !pb_utf8_valid(v->via.str.ptr, v->via.str.size))
                 return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "%s must be UTF-8 text without NUL bytes, got '%s'",
-                                  sp->name, key_text(QUOTED, v));
+                                  sp->name, key_text(PB_QUOTED, v));
             memcpy(ov->text, v->via.str.ptr, v->via.str.size);
             ov->text[v->via.str.size] = 0;
             break;
@@ -249,7 +249,7 @@ int pb_request_into(const msgpack_object *into, const pb_resolver_t *res, const 
                 idx = j;
         if (idx < 0)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, "into", "into names '%s', which is no %s here",
-                              key_text(QUOTED, k), of);
+                              key_text(PB_QUOTED, k), of);
         if (!(avail & (1u << idx)))
             return pb_err_set(err, PB_EINVALID_ARGUMENT, "into",
                               "into names %s, but no %s %s comes back here (not in the tape's wrt)", names[idx], of,
@@ -334,7 +334,7 @@ int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_sto
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "op", "op must be the name of an op (see the ops method)");
     c->op = pb_op_find(opn->via.str.ptr, opn->via.str.size);
     if (c->op == NULL)
-        return pb_err_set(err, PB_EUNKNOWN_OP, "op", "unknown op '%s' (see the ops method)", key_text(QUOTED, opn));
+        return pb_err_set(err, PB_EUNKNOWN_OP, "op", "unknown op '%s' (see the ops method)", key_text(PB_QUOTED, opn));
     const pb_op_t *op = c->op;
 
     const msgpack_object *in = pb__obj_get(params, "inputs");
@@ -344,7 +344,8 @@ int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_sto
         const msgpack_object *k = &in->via.map.ptr[i].key;
         int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_input_index(op, k->via.str.ptr, k->via.str.size) : -1;
         if (idx < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "%s has no input '%s'", op->name, key_text(QUOTED, k));
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "%s has no input '%s'", op->name,
+                              key_text(PB_QUOTED, k));
         char what[64];
         join(what, sizeof what, "inputs.", op->inputs[idx].name);
         if (c->in[idx].storage)
@@ -465,7 +466,7 @@ int pb_request_cotangents(const pb_tapedata_t *t, const msgpack_object *cots, pb
         int idx = k->type == MSGPACK_OBJECT_STR ? pb_op_output_index(op, k->via.str.ptr, k->via.str.size) : -1;
         if (idx < 0)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, "cotangents", "%s has no output '%s'", op->name,
-                              key_text(QUOTED, k));
+                              key_text(PB_QUOTED, k));
         char what[64];
         join(what, sizeof what, "cotangents.", op->outputs[idx]);
         if (cot[idx].storage)

@@ -290,7 +290,7 @@ void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
     }
     if (found == NULL) {
         pb_err_set(&r->err, PB_EUNKNOWN_METHOD, "method", "unknown method '%s'",
-                   pb_quote(&(pb_quoted_t){{0}}, meth->via.str.ptr, meth->via.str.size));
+                   pb_quote(PB_QUOTED, meth->via.str.ptr, meth->via.str.size));
         pb__req_fail(r, PB_EUNKNOWN_METHOD);
         goto out;
     }

@@ -18,7 +18,7 @@ static int parse_spec(const char *spec, const pb_tensor_t *A, const pb_tensor_t 
     const char *comma = strchr(spec, ','), *arrow = strstr(spec, "->");
     if (comma == NULL || arrow == NULL || comma > arrow || strchr(comma + 1, ',') || strstr(arrow + 2, "->"))
         return pb_err_set(err, PB_EINVALID_ARGUMENT, arg, "spec must look like \"ijk,kl->lij\", got \"%s\"",
-                          pb_quote(&(pb_quoted_t){{0}}, spec, strlen(spec)));
+                          pb_quote(PB_QUOTED, spec, strlen(spec)));
     const char *part[3] = {spec, comma + 1, arrow + 2};
     int len[3] = {(int)(comma - spec), (int)(arrow - comma - 1), (int)strlen(arrow + 2)};
     int where[3][128];

@@ -122,7 +122,7 @@ int pb_tensor_decode_with(const msgpack_object *o, pb_storage_t *msg, const pb_r
             val[j] = v;
         else if (k->type == MSGPACK_OBJECT_STR)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: unknown tensor key '%s'", what,
-                              pb_quote(&(pb_quoted_t){{0}}, k->via.str.ptr, k->via.str.size));
+                              pb_quote(PB_QUOTED, k->via.str.ptr, k->via.str.size));
         else
             return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: tensor keys must be strings", what);
     }
@@ -135,7 +135,7 @@ int pb_tensor_decode_with(const msgpack_object *o, pb_storage_t *msg, const pb_r
     if (pb_dtype_parse(dt->via.str.ptr, dt->via.str.size, &d))
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
                           "%s: unknown dtype '%s' (expected \"f32\", \"f64\", \"c64\" or \"c128\")", what,
-                          pb_quote(&(pb_quoted_t){{0}}, dt->via.str.ptr, dt->via.str.size));
+                          pb_quote(PB_QUOTED, dt->via.str.ptr, dt->via.str.size));
     if (shape == NULL || shape->type != MSGPACK_OBJECT_ARRAY)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, what, "%s: shape must be an array of non-negative integers",
                           what);

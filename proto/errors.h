@@ -77,5 +77,8 @@ typedef struct pb_quoted {
     char s[4 * PB_QUOTE_MAX + 4];
 } pb_quoted_t;
 const char *pb_quote(pb_quoted_t *q, const char *s, size_t len);
+/* A pb_quoted_t that lives to the end of the enclosing block: for one
+ * quote in an error call, pb_quote(PB_QUOTED, s, len). */
+#define PB_QUOTED (&(pb_quoted_t){{0}})
 
 #endif
