@@ -87,6 +87,18 @@ class Raw:
                 raise ConnectionError("daemon closed the connection")
             self.unpacker.feed(data)
 
+    def send_bytes(self, data):
+        """Send data as it is; the one reply it gets, decoded strictly
+        (raw=False: a str that is not UTF-8 fails)."""
+        self.sock.sendall(data)
+        unpacker = msgpack.Unpacker(raw=False)
+        while True:
+            unpacker.feed(self.sock.recv(1 << 16))
+            msgs = list(unpacker)
+            if msgs:
+                (msg,) = msgs
+                return msg
+
     def assert_reply(self, msg):
         assert msg[0] == 1 and msg[1] == self.msgid, msg
 
@@ -229,14 +241,7 @@ class WireCompatTest(DaemonCase):
                          "options": {"spec": "ij,jk->ik\x00x"}}, "invalid_argument", "without NUL"),
         ]
         for i, (method, params, code, text) in enumerate(cases):
-            self.raw.sock.sendall(pk.pack([0, 100 + i, method, [params]]))
-            unpacker = msgpack.Unpacker(raw=False)
-            while True:
-                unpacker.feed(self.raw.sock.recv(1 << 16))
-                msgs = list(unpacker)
-                if msgs:
-                    break
-            (msg,) = msgs
+            msg = self.raw.send_bytes(pk.pack([0, 100 + i, method, [params]]))
             self.assertEqual(msg[1], 100 + i)
             self.assertEqual(msg[2]["code"], code, msg)
             self.assertIn(text, msg[2]["message"])
@@ -292,11 +297,7 @@ class WireCompatTest(DaemonCase):
         # {"dtype": "f64", "shape": [1], "data": <8 bytes>, "dtype": "f32"} as input A.
         t = (b"\x84\xa5dtype\xa3f64\xa5shape\x91\x01\xa4data\xc4\x08" + b"\x00" * 8 +
              b"\xa5dtype\xa3f32")
-        msg = (b"\x94\x00\x09\xa7forward\x91\x82\xa2op\xa9tensoradd\xa6inputs\x81\xa1A" + t)
-        self.raw.sock.sendall(msg)
-        unpacker = msgpack.Unpacker(raw=False)
-        unpacker.feed(self.raw.sock.recv(1 << 16))
-        reply = next(unpacker)
+        reply = self.raw.send_bytes(b"\x94\x00\x09\xa7forward\x91\x82\xa2op\xa9tensoradd\xa6inputs\x81\xa1A" + t)
         self.assertEqual(reply[1], 9)
         self.assertEqual(reply[2]["code"], "invalid_argument")
         self.assertIn("'dtype' is given twice", reply[2]["message"])
@@ -304,11 +305,7 @@ class WireCompatTest(DaemonCase):
     def test_params_key_given_twice(self):
         # msgpack maps may repeat a key; which one counts is no guess for
         # the daemon to make: [0, 7, "release", [{"tape": 1, "tape": 2}]].
-        msg = b"\x94\x00\x07\xa7release\x91\x82\xa4tape\x01\xa4tape\x02"
-        self.raw.sock.sendall(msg)
-        unpacker = msgpack.Unpacker(raw=False)
-        unpacker.feed(self.raw.sock.recv(1 << 16))
-        reply = next(unpacker)
+        reply = self.raw.send_bytes(b"\x94\x00\x07\xa7release\x91\x82\xa4tape\x01\xa4tape\x02")
         self.assertEqual(reply[1], 7)
         self.assertEqual(reply[2]["code"], "invalid_argument")
         self.assertEqual(reply[2]["arg"], "tape")
