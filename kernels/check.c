@@ -64,12 +64,15 @@ static int random_like(pb_tensor_t *dst, const pb_tensor_t *meta, char order, ui
     return 0;
 }
 
-static double dot(const pb_tensor_t *a, const pb_tensor_t *b)
+/* In long double: a gradient of 1e200 (Q of a QR at 1e-200 has one) still
+ * squares into range, where the double would overflow and every error
+ * divided by it would read 0. */
+static long double dot(const pb_tensor_t *a, const pb_tensor_t *b)
 {
     size_t n = ncomp(a);
-    double s = 0;
+    long double s = 0;
     for (size_t i = 0; i < n; i++)
-        s += comp_get(a, i) * comp_get(b, i);
+        s += (long double)comp_get(a, i) * comp_get(b, i);
     return s;
 }
 
@@ -171,7 +174,7 @@ int pb_check_run(pb_call_t *c, uint64_t seed, double *max_rel, double per_input[
         const double step = c->op->fd_step > 0 ? c->op->fd_step : 1e-3;
         const bool small = amax > 0 && amax < 1;
         const double hs[2] = {step * (small ? amax : fmax(1.0, amax)), step};
-        const double an = dot(&gc, &dir), scale = sqrt(dot(&gc, &gc) * dot(&dir, &dir));
+        const long double an = dot(&gc, &dir), scale = sqrtl(dot(&gc, &gc) * dot(&dir, &dir));
         double e = INFINITY;
         for (int t = 0; t < (small ? 2 : 1) && rc == 0; t++) {
             double h = hs[t], l[4];
@@ -184,8 +187,8 @@ int pb_check_run(pb_call_t *c, uint64_t seed, double *max_rel, double per_input[
             }
             if (rc)
                 break;
-            double fd = (8.0 * (l[0] - l[1]) - (l[2] - l[3])) / (12.0 * h);
-            e = fmin(e, scale == 0 ? (fabs(fd) > 0 ? 1.0 : 0.0) : fabs(an - fd) / fmax(scale, 1e-300));
+            long double fd = (8.0L * (l[0] - l[1]) - (l[2] - l[3])) / (12.0L * h);
+            e = fmin(e, scale == 0 ? (fabsl(fd) > 0 ? 1.0 : 0.0) : (double)(fabsl(an - fd) / scale));
         }
         if (rc == 0) {
             per_input[k] = e;

@@ -4,6 +4,7 @@
 #include "factor_common.h"
 
 #include <float.h>
+#include <pthread.h>
 #include <stdio.h>
 
 #include "strided.h"
@@ -18,20 +19,32 @@ int pb__fz_opt(const pb_op_t *op, const char *name)
 
 static bool single(pb_dtype_t d) { return d == PB_F32 || d == PB_C64; }
 
-/* The spacing of floating-point numbers at x in d's precision (Julia's
- * eps(x)). */
+/* The spacing of floating-point numbers at x ≥ 0 in d's precision (Julia's
+ * eps(x)): 2^(exponent(x) − 52) in double, 2^(exponent(x) − 23) in single,
+ * and the smallest subnormal below the normal range.  Finite at the largest
+ * values too, where the next number up is Inf. */
 static double ulp(double x, pb_dtype_t d)
 {
-    if (single(d)) {
-        float f = (float)x;
-        return (double)(nextafterf(f, INFINITY) - f);
-    }
-    return nextafter(x, INFINITY) - x;
+    int bits = single(d) ? FLT_MANT_DIG : DBL_MANT_DIG, emin = single(d) ? FLT_MIN_EXP - 1 : DBL_MIN_EXP - 1;
+    int e = x > 0 ? ilogb(x) : emin - 1;
+    return ldexp(1.0, (e < emin ? emin : e) - (bits - 1));
+}
+
+/* The defaults of rank_atol and degeneracy_atol.  The contract's
+ * eps(max|A_ij|)^¾ is absolute: below max|A_ij| = eps (f64 2.2e-16, f32
+ * 1.2e-7) it passes √eps·max|A_ij|, and from there down it reaches every
+ * singular value of a well-conditioned matrix (f64 near 1e-47, f32 near
+ * 1e-21): every pullback would be zero.  So it is capped at √eps·max|A_ij|,
+ * which it never exceeds above max|A_ij| = eps, and kept a normal number. */
+static double default_tol(double amax, pb_dtype_t d)
+{
+    double eps = single(d) ? FLT_EPSILON : DBL_EPSILON, tiny = single(d) ? FLT_MIN : DBL_MIN;
+    return fmin(pow(ulp(amax, d), 0.75), fmax(sqrt(eps) * amax, tiny));
 }
 
 void pb__fz_resolve(const pb_op_t *op, const pb_optval_t *opt, double amax, pb_dtype_t d, int k, fz_opts_t *o)
 {
-    double eps = single(d) ? FLT_EPSILON : DBL_EPSILON, tol = pow(ulp(amax, d), 0.75);
+    double eps = single(d) ? FLT_EPSILON : DBL_EPSILON, tol = default_tol(amax, d);
     *o = (fz_opts_t){.rank_atol = tol, .deg_atol = tol, .gauge_atol = INFINITY, .herm_atol = sqrt(eps) * amax,
                      .maxrank = k};
     int i;
@@ -107,9 +120,46 @@ void pb__fz_sized(pb_call_t *c, size_t tape, bool square)
 
 /* ---- the ends of forward and reverse ----------------------------------------- */
 
+/* False when one of t's entries is NaN or Inf (x − x is 0 for every finite
+ * x). */
+static bool all_finite(const pb_tensor_t *t)
+{
+    if (t->storage == NULL)
+        return true;
+    size_t n = pb_tensor_count(t) * (pb_dtype_is_complex(t->dtype) ? 2 : 1);
+    if (single(t->dtype)) {
+        const float *x = pb_tensor_data(t);
+        float bad = 0;
+        for (size_t i = 0; i < n; i++)
+            bad += x[i] - x[i];
+        return bad == 0;
+    }
+    const double *x = pb_tensor_data(t);
+    double bad = 0;
+    for (size_t i = 0; i < n; i++)
+        bad += x[i] - x[i];
+    return bad == 0;
+}
+
+/* LAPACKE checks every array it is given for NaN and refuses it as an
+ * illegal argument (a negative info).  A factorization's input is checked
+ * here before LAPACK sees it; what LAPACKE would catch past that is an
+ * overflow of our own (caught on the outputs, pb__fz_finish) or a NaN in a
+ * cotangent, which propagates, as the contract has it: the check is off. */
+static pthread_once_t nancheck_once = PTHREAD_ONCE_INIT;
+static void nancheck_off(void) { LAPACKE_set_nancheck(0); }
+void pb__fz_lapack_setup(void) { pthread_once(&nancheck_once, nancheck_off); }
+
 int pb__fz_finish(pb_call_t *c, pb_tapedata_t *tape, pb_tensor_t *o, pb_tensor_t *sv, int rc, pb_err_t *err)
 {
     const bool keep = c->taped && (c->wrt & 1u);
+    /* A finite A whose factors are not: they overflowed the dtype. */
+    for (int i = 0; rc == 0 && i < c->op->noutputs; i++)
+        if (!all_finite(&o[i]))
+            rc = pb_err_set(err, PB_ENUMERICAL, "inputs.A",
+                            "%s: output %s is not finite: A's entries are too near the dtype's largest number "
+                            "for it; scale A down",
+                            c->op->name, c->op->outputs[i]);
     /* outputs in the order asked for; truncated shapes are known now */
     for (int i = 0; rc == 0 && i < c->op->noutputs; i++) {
         if (c->order == 'C' && o[i].rank == 2) {

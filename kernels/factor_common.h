@@ -52,6 +52,7 @@
 #include <cblas.h>
 #include "cmplx.h"
 #include <lapacke.h>
+#include <float.h>
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
@@ -91,6 +92,10 @@ int pb__fz_opt(const pb_op_t *op, const char *name);
  * = eps(max|A_ij|)^(3/4), herm_atol = √eps·max|A_ij|, maxrank = k.  The
  * default gauge_atol needs the cotangents and is set by the reverse. */
 void pb__fz_resolve(const pb_op_t *op, const pb_optval_t *opt, double amax, pb_dtype_t d, int k, fz_opts_t *o);
+
+/* Once per process, before LAPACK runs: LAPACKE's NaN check off (why:
+ * factor_common.c). */
+void pb__fz_lapack_setup(void);
 
 /* Validation, shared: A a matrix small enough for LAPACK (square when
  * asked), maxrank and the tolerances in range. */

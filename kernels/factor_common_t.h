@@ -115,17 +115,32 @@ void FZ(load)(const pb_tensor_t *t, T *dst, int m, int n)
 }
 
 /* max|A_i| over n entries, in one pass that also notices NaN and Inf
- * (x − x is 0 for every finite x): *finite is false when there is one. */
+ * (x − x is 0 for every finite x): *finite is false when there is one.
+ * A complex modulus is taken from the squares where they neither overflow
+ * (|A_i| above 2^511) nor lose bits below DBL_MIN, else again with every
+ * entry scaled by a power of two first. */
 static double FN(amax)(const T *A, size_t n, bool *finite)
 {
-    double big = 0, bad = 0;
+    double big = 0, top = 0, bad = 0;
     for (size_t i = 0; i < n; i++) {
-        double re = RE(A[i]), im = IM(A[i]), a = re * re + im * im;
+        double re = RE(A[i]), im = IM(A[i]), a = re * re + im * im, t = fmax(fabs(re), fabs(im));
         big = a > big ? a : big;
+        top = t > top ? t : top;
         bad += (re - re) + (im - im);
     }
     *finite = bad == 0;
-    return sqrt(big);
+    if (!CPLX || !*finite || top == 0)
+        return top;
+    if (big >= DBL_MIN && big <= DBL_MAX)
+        return sqrt(big);
+    int e;
+    frexp(top, &e);
+    big = 0;
+    for (size_t i = 0; i < n; i++) {
+        double re = ldexp(RE(A[i]), -e), im = ldexp(IM(A[i]), -e), a = re * re + im * im;
+        big = a > big ? a : big;
+    }
+    return fmin(ldexp(sqrt(big), e), DBL_MAX);
 }
 
 int FZ(load_cot)(const pb_tensor_t *t, int m, int n, T **out)
@@ -207,6 +222,7 @@ static int FN(input)(const pb_call_t *c, pb_tapedata_t *tape, T **A, fz_opts_t *
 {
     const pb_tensor_t *At = &c->in[0];
     const int m = (int)At->shape[0], n = (int)At->shape[1], k = m < n ? m : n;
+    pb__fz_lapack_setup();
     T *a = FZ(zalloc)((size_t)FZ(lapack_ld)(m) * n); /* room to pad in place (FZ(pad_here)) */
     if (a == NULL)
         return pb_err_set(err, PB_ENOMEM, NULL, "out of memory in %s", c->op->name);
@@ -227,20 +243,29 @@ static int FN(input)(const pb_call_t *c, pb_tapedata_t *tape, T **A, fz_opts_t *
 /* Frobenius norm of a tensor's entries (0 for an absent one). */
 static double FN(tnorm)(const pb_tensor_t *t)
 {
-    if (t->storage == NULL)
+    if (t->storage == NULL || (t->dtype != RDT && t->dtype != CDT))
         return 0;
-    size_t n = pb_tensor_count(t);
-    double s = 0;
     /* a complex tensor as its 2n real parts: |z|² = re² + im² without
-     * cabs's overflow-safe (and slow) hypot; a gauge threshold needs no
-     * more range than a double's */
-    if (t->dtype == RDT || t->dtype == CDT) {
-        const RT *x = pb_tensor_data(t);
-        size_t nr = t->dtype == CDT ? 2 * n : n;
-        for (size_t i = 0; i < nr; i++)
-            s += (double)x[i] * (double)x[i];
+     * cabs's overflow-safe (and slow) hypot; only a sum of squares that
+     * overflows or leaves the normal range is summed again, scaled by a
+     * power of two */
+    const RT *x = pb_tensor_data(t);
+    size_t nr = (t->dtype == CDT ? 2 : 1) * pb_tensor_count(t);
+    double s = 0, top = 0;
+    for (size_t i = 0; i < nr; i++) {
+        s += (double)x[i] * (double)x[i];
+        top = fmax(top, fabs((double)x[i]));
     }
-    return sqrt(s);
+    if ((s >= DBL_MIN && s <= DBL_MAX) || top == 0 || !isfinite(top) || s != s)
+        return sqrt(s);
+    int e;
+    frexp(top, &e);
+    s = 0;
+    for (size_t i = 0; i < nr; i++) {
+        double y = ldexp((double)x[i], -e);
+        s += y * y;
+    }
+    return ldexp(sqrt(s), e);
 }
 
 /* The reverse's start: the options as the forward resolved them, the
@@ -248,6 +273,7 @@ static double FN(tnorm)(const pb_tensor_t *t)
 static int FN(rev_begin)(const pb_tapedata_t *t, const pb_tensor_t *cot, fz_opts_t *op, T **dA)
 {
     const int m = (int)t->in_meta[0].shape[0], n = (int)t->in_meta[0].shape[1], k = m < n ? m : n;
+    pb__fz_lapack_setup();
     pb__fz_resolve(t->op, t->opt, t->scalars[0], DT, k, op);
     double cn = 0;
     for (int i = 0; i < t->op->noutputs; i++)

@@ -16,14 +16,23 @@
  * fixed, else by syevd's work (the values alone: a third of the work). */
 static int FN(eigh_factor)(T *A, int m, RT *D, double herm_atol, bool vectors, pb_err_t *err)
 {
-    double worst = 0;
+    double worst = 0, top = 0;
     for (int j = 0; j < m; j++)
         for (int i = 0; i <= j; i++) {
             T d = E(A, m, i, j) - CONJ(E(A, m, j, i));
-            double a = RE(d) * RE(d) + IM(d) * IM(d);
+            double a = RE(d) * RE(d) + IM(d) * IM(d), t = fmax(fabs(RE(d)), fabs(IM(d)));
             worst = a > worst ? a : worst;
+            top = t > top ? t : top;
         }
-    worst = sqrt(worst);
+    if ((worst < DBL_MIN || worst > DBL_MAX) && top > 0) { /* the squares left double's normal range */
+        worst = 0;
+        for (int j = 0; j < m; j++)
+            for (int i = 0; i <= j; i++) {
+                T d = E(A, m, i, j) - CONJ(E(A, m, j, i));
+                worst = fmax(worst, hypot(RE(d), IM(d)));
+            }
+    } else
+        worst = sqrt(worst);
     if (worst > herm_atol)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs.A",
                           "A is not Hermitian: |A - Aᴴ| reaches %.3g, more than herm_atol %.3g", worst, herm_atol);

@@ -338,6 +338,45 @@ static double orth_err(const pb_tensor_t *X, bool by_rows)
 
 /* The contract's gauge: each column's largest-magnitude entry (first on a
  * tie) is real and positive. */
+/* Every rule is homogeneous in A's scale, so its pullback is right at any
+ * finite scale or none: max|A_ij| once overflowed at 1e154 (its square did)
+ * and made every default tolerance NaN, and the contract's rank_atol,
+ * eps(max|A_ij|)^¾, passes every singular value near 1e-47: both gave zero
+ * gradients.  The check itself must see them at such scales (its dot
+ * products overflowed to Inf, and every error read 0). */
+static void extreme_scales(void **state)
+{
+    (void)state;
+    static const char *const ops[] = {"qr_compact", "lq_full",   "svd_compact", "svd_trunc",
+                                      "eigh_full",  "eig_full",  "left_polar",  "qr_null"};
+    static const double wide[] = {1e-300, 1e-150, 1e-50, 1e50, 1e150, 1e300};
+    static const double narrow[] = {1e-30, 1e-15, 1e15, 1e30};
+    const char *only = getenv("PB_TEST_OP");
+    for (size_t o = 0; o < sizeof ops / sizeof ops[0]; o++)
+        for (int di = 0; di < 4; di++) {
+            pb_dtype_t d = dtypes[di];
+            const double *scales = single(d) ? narrow : wide;
+            size_t ns = single(d) ? sizeof narrow / sizeof narrow[0] : sizeof wide / sizeof wide[0];
+            if (only && strcmp(only, ops[o]) != 0)
+                continue;
+            for (size_t k = 0; k < ns; k++) {
+                bool sq = square_only(ops[o]);
+                int m = 6, n = sq ? 6 : 4;
+                char order = k % 2 ? 'F' : 'C';
+                pb_call_t c;
+                call_init(&c, ops[o], d, order);
+                make_A(&c.in[0], d, m, n, order, is_eigh(ops[o]) ? HERMITIAN : RANDOM);
+                for (size_t i = 0; i < (size_t)m; i++)
+                    for (size_t j = 0; j < (size_t)n; j++)
+                        set(&c.in[0], i, j, get(&c.in[0], i, j) * scales[k]);
+                char what[96];
+                snprintf(what, sizeof what, "%s %s %dx%d at %g", ops[o], pb_dtype_name(d), m, n, scales[k]);
+                fd_check(&c, what);
+                pb_call_clear(&c);
+            }
+        }
+}
+
 static void check_gauge(const pb_tensor_t *V, double tol, const char *what)
 {
     for (size_t j = 0; j < cols(V); j++) {
@@ -1361,7 +1400,7 @@ int main(void)
         cmocka_unit_test(degenerate_eigh), cmocka_unit_test(degenerate_svd),  cmocka_unit_test(truncations),
         cmocka_unit_test(trunc_not_naive), cmocka_unit_test(errors),          cmocka_unit_test(zero_size),
         cmocka_unit_test(tape_sizes),      cmocka_unit_test(qr_blocks),       cmocka_unit_test(lapack_failures),
-        cmocka_unit_test(padded_work),     cmocka_unit_test(tiny_scales),
+        cmocka_unit_test(padded_work),     cmocka_unit_test(tiny_scales),     cmocka_unit_test(extreme_scales),
         cmocka_unit_test(values_alone),
         cmocka_unit_test(table_rows),
     };

@@ -328,6 +328,50 @@ class FactorTest(DaemonCase):
         self.assertEqual(e.exception.code, "shape_mismatch")
         tape.release()
 
+    def test_extreme_values(self):
+        # A gradient is homogeneous in A's scale: the same at 1e-300 as at 1
+        # and 1e300, in every precision (max|A_ij| once overflowed past
+        # 1e154 and the default rank_atol passed every singular value
+        # below 1e-47: both gave zero gradients, silently).
+        for dtype, scales in [(np.float64, [1e-300, 1e-60, 1e160, 1e300]), (np.complex128, [1e-200, 1e200]),
+                              (np.float32, [1e-30, 1e30]), (np.complex64, [1e-25, 1e25])]:
+            A = self.rand((5, 3), dtype)
+            for op, out in [("qr_compact", "R"), ("lq_compact", "L"), ("svd_compact", "S"), ("left_polar", "W")]:
+                X = A if op != "lq_compact" else np.ascontiguousarray(A.T)
+                o, tape = self.c.augmented_forward(op, {"A": X}, wrt=["A"])
+                cot = np.ones_like(o[out])
+                g1 = self.c.reverse(tape, {out: cot})["A"].astype(np.complex128)
+                for s in scales:
+                    o, tape = self.c.augmented_forward(op, {"A": (X * s).astype(dtype)}, wrt=["A"])
+                    gs = self.c.reverse(tape, {out: cot})["A"].astype(np.complex128)
+                    # R, L, S are 1-homogeneous (gradient scale-free); W is 0-homogeneous
+                    want = g1 / s if out == "W" else g1
+                    err = np.max(np.abs(gs - want)) / np.max(np.abs(want))
+                    self.assertLessEqual(err, 100 * FTOL[dtype], f"{op} {np.dtype(dtype)} at {s:g}")
+        # eigh at 1e160: |A - Aᴴ| is measured without overflow
+        with self.assertRaises(PullbackError) as e:
+            self.c.forward("eigh_full", {"A": np.array([[1.0, 2.0], [0.0, 1.0]]) * 1e160})
+        self.assertEqual(e.exception.code, "invalid_argument")
+        self.assertIn("reaches 2e+160", e.exception.message)
+        # A finite A whose factors overflow is numerical_error naming the
+        # output (it was `internal`: LAPACKE refused LAPACK's own Inf)
+        for dtype in DTYPES:
+            big = np.finfo(dtype).max
+            with self.assertRaises(PullbackError) as e:
+                self.c.forward("qr_compact", {"A": np.full((2, 2), big, dtype=dtype)})
+            self.assertEqual(e.exception.code, "numerical_error", dtype)
+            self.assertIn("output Q is not finite", e.exception.message)
+            with self.assertRaises(PullbackError) as e:
+                self.c.forward("svd_vals", {"A": np.full((2, 2), big, dtype=dtype)})
+            self.assertEqual(e.exception.code, "numerical_error", dtype)
+        # A NaN or Inf in a cotangent propagates, in eig too (it was a
+        # numerical_error blaming a defective A: LAPACKE refused the NaN)
+        _, tape = self.c.augmented_forward("eig_full", {"A": np.diag([1.0, 2.0])}, wrt=["A"])
+        for bad in (np.nan, np.inf):
+            g = self.c.reverse(tape, {"D": np.array([bad, 0], dtype=np.complex128)}, keep=True)["A"]
+            self.assertTrue(np.isnan(g).any(), bad)
+        tape.release()
+
     def test_ops_catalogue(self):
         ops = self.c.ops()["ops"]
         for op in OPS:
