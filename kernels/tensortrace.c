@@ -124,8 +124,10 @@ static int tt_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
     pb_tview_t va = pb_tview_of(A), vy = pb_tview_of(&y);
     pb_loop_t L;
     trace_loop(&L, &s, &vy, &va);
-    pb_strided(c->dtype, &L, vy.p, va.p, pb_dtype_is_complex(c->dtype) && c->opt[TT_CONJA].b, sc(&c->opt[TT_ALPHA]),
-               NULL, ZERO, true);
+    /* alpha = 0: A is not read, as in tensoradd and tensorcontract (BLAS) */
+    if (nonzero(sc(&c->opt[TT_ALPHA])))
+        pb_strided(c->dtype, &L, vy.p, va.p, pb_dtype_is_complex(c->dtype) && c->opt[TT_CONJA].b,
+                   sc(&c->opt[TT_ALPHA]), NULL, ZERO, true);
     if (tape && (rc = pb__tops_save(c, tape, c->wrt & (1u << T1_WALPHA), false, c->wrt & (1u << T1_WBETA), TA_A, -1, TA_C))) {
         pb_tensor_clear(&y);
         return pb__tops_oom(err, "tensortrace");

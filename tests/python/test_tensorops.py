@@ -230,6 +230,24 @@ class TensorOpsTest(DaemonCase):
         self.assertEqual(s.shape, ())
         self.assertEqual(float(s), 6.0)
 
+    def test_alpha_zero_reads_no_A(self):
+        """alpha = 0 as in BLAS (proto/PROTOCOL.md): A is not read, in all three
+        ops alike (tensortrace once gave NaN where the other two gave 0)."""
+        A = np.array([[np.nan, 0.0], [0.0, 1.0]])
+        C = np.array([[1.0, 2.0], [3.0, 4.0]])
+        opts = {"alpha": 0.0, "beta": 0.5}
+        got = self.c.forward("tensorcontract", {"A": A, "B": np.eye(2), "C": C}, options=dict(opts, spec="ij,jk->ik"))
+        np.testing.assert_array_equal(got["C"], 0.5 * C)
+        got = self.c.forward("tensoradd", {"A": A, "C": C}, options=opts)
+        np.testing.assert_array_equal(got["C"], 0.5 * C)
+        got = self.c.forward("tensortrace", {"A": A, "C": np.array(4.0)}, options=dict(opts, q=[[0], [1]]))
+        self.assertEqual(float(got["C"]), 2.0)
+        got = self.c.forward("tensortrace", {"A": A}, options={"q": [[0], [1]], "alpha": 0.0})
+        self.assertEqual(float(got["C"]), 0.0)
+        # NaN still propagates at any other alpha
+        got = self.c.forward("tensortrace", {"A": A}, options={"q": [[0], [1]], "alpha": 1e-300})
+        self.assertTrue(np.isnan(float(got["C"])))
+
 
 if __name__ == "__main__":
     unittest.main(verbosity=2)
