@@ -47,7 +47,13 @@
 #define PB_OMP_SIMD _Pragma("omp simd")
 #define PB_PRAGMA(x) _Pragma(#x)
 #define PB_OMP_SIMD_SUM(var) PB_PRAGMA(omp simd reduction(+ : var))
+#if defined(__SANITIZE_THREAD__)
+/* ThreadSanitizer instruments the clones' ifunc resolver, which the dynamic
+ * loader runs before TSan's runtime is up: a TSan build gets one version. */
+#define PB_KERNEL_CLONES
+#else
 #define PB_KERNEL_CLONES __attribute__((target_clones("avx2", "default")))
+#endif
 PB_SIMD extern float expf(float);
 PB_SIMD extern double exp(double);
 PB_SIMD extern float expm1f(float);

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Every test of pullbackd: the suites in a normal build, again in an
-# ASan+UBSan build, the unit suite under valgrind, and libFuzzer over the
-# decoder for PB_FUZZ_SECONDS (default 60; 0 skips it).  A stage that cannot
+# ASan+UBSan build, the daemon's suites in a TSan build, the unit suite
+# under valgrind, and libFuzzer over the decoder for PB_FUZZ_SECONDS
+# (default 60; 0 skips it).  A stage that cannot
 # run here says so on a line of its own, "SKIPPED: <stage>: <why>", and the
 # skipped stages are listed again at the end: a missing tool never passes
 # silently.  .ci/packages installs everything every stage needs.
@@ -42,7 +43,20 @@ export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=
 suite asan -C build-asan --print-errorlogs
 unset ASAN_OPTIONS UBSAN_OPTIONS
 
-# 3. The unit suite once more under valgrind (memcheck).
+# 3. The daemon under ThreadSanitizer, driven from outside by the suites
+# that load it (many connections, workers and their idle helpers, reloads,
+# drains), and the thread pool's own unit tests.  Unit tests that run
+# OpenBLAS's threads stay out: TSan cannot see their uninstrumented
+# synchronisation and reports it as races.  Tests that bound the daemon's
+# resident memory do not enforce it here (TSan's shadow memory).
+[ -d build-tsan ] || meson setup build-tsan -Db_sanitize=thread -Db_lundef=false
+ninja -C build-tsan
+export TSAN_OPTIONS="halt_on_error=1 handle_sigbus=0 second_deadlock_stack=1"
+suite tsan -C build-tsan --suite e2e --suite load --suite python --print-errorlogs
+suite tsan -C build-tsan unit.pool unit.offloop unit.conn_budget --print-errorlogs
+unset TSAN_OPTIONS
+
+# 4. The unit suite once more under valgrind (memcheck).
 if command -v valgrind >/dev/null; then
     suite valgrind -C build --suite unit --print-errorlogs \
         --wrap="valgrind --error-exitcode=1 --leak-check=full --errors-for-leak-kinds=definite -q --suppressions=$(pwd)/tests/valgrind.supp"
@@ -50,7 +64,7 @@ else
     skip valgrind "valgrind is not installed (Debian: apt-get install valgrind)"
 fi
 
-# 4. libFuzzer over the decoder and request validation, for a bounded time:
+# 5. libFuzzer over the decoder and request validation, for a bounded time:
 # any crash, leak, timeout or out-of-memory fails the run.  Needs clang and
 # its libFuzzer runtime (Debian 12: clang, libclang-rt-14-dev).
 fuzz_seconds=${PB_FUZZ_SECONDS:-60}

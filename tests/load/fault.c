@@ -314,7 +314,8 @@ static void closed_in_flight(pb_client_t *mon)
 /* What one connection may make the daemon hold in replies (conn.c). */
 #define NR_CAP ((uint64_t)64 << 20)
 /* Does the daemon's freed memory leave its resident set?  It calls
- * malloc_trim under glibc; ASan's quarantine keeps freed memory. */
+ * malloc_trim under glibc; ASan's quarantine keeps freed memory (and TSan
+ * its shadow). */
 #if defined(__GLIBC__) && !LC_ASAN
 #define TRIMS 1
 #else
@@ -427,7 +428,7 @@ static void no_reader(pb_client_t *mon)
         after = lc_rss(cfg.d.pid);
     }
     printf("no-reader  daemon rss %.1f MiB after it left%s\n", after / 1048576.0,
-           TRIMS ? "" : " (not checked: AddressSanitizer, or not glibc)");
+           TRIMS ? "" : " (not checked: a sanitizer, or not glibc)");
     if (TRIMS && after > rss0 + KEEP_CAP)
         lc_fail("no-reader: the daemon's resident memory stayed at %.1f MiB after it left, %.1f MiB before",
                 after / 1048576.0, rss0 / 1048576.0);

@@ -465,7 +465,7 @@ static int run_mix(void)
     double growth = rss_before ? (double)rss_after / (double)rss_before - 1 : 0;
     printf("rss      before %.1f MiB (after the warm-up, clients gone), after %.1f MiB (clients gone): %+.1f %%%s\n",
            rss_before / 1048576.0, rss_after / 1048576.0, 100 * growth,
-           LC_ASAN ? " (not checked under AddressSanitizer)" : "");
+           LC_ASAN ? " (not checked under a sanitizer)" : "");
     if (main_run.answered != main_run.sent)
         lc_fail("%llu requests sent, %llu answered", (unsigned long long)main_run.sent,
                 (unsigned long long)main_run.answered);

@@ -452,12 +452,14 @@ static inline void lc_fail(const char *fmt, ...)
     va_end(ap);
 }
 
-/* Built with AddressSanitizer?  Its quarantine keeps freed memory resident
- * on purpose, so resident-memory bounds are reported but not enforced. */
-#if defined(__SANITIZE_ADDRESS__)
+/* Built with AddressSanitizer or ThreadSanitizer (and the daemon with it)?
+ * ASan's quarantine keeps freed memory resident on purpose, TSan maps
+ * shadow memory for what the daemon touches: resident-memory bounds are
+ * reported but not enforced. */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define LC_ASAN 1
 #elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
 #define LC_ASAN 1
 #endif
 #endif
