@@ -47,7 +47,12 @@
 #define PB_OMP_SIMD _Pragma("omp simd")
 #define PB_PRAGMA(x) _Pragma(#x)
 #define PB_OMP_SIMD_SUM(var) PB_PRAGMA(omp simd reduction(+ : var))
-#if defined(__SANITIZE_THREAD__)
+#if defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define PB_TSAN 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__) || defined(PB_TSAN)
 /* ThreadSanitizer instruments the clones' ifunc resolver, which the dynamic
  * loader runs before TSan's runtime is up: a TSan build gets one version. */
 #define PB_KERNEL_CLONES

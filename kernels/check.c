@@ -66,7 +66,8 @@ static int random_like(pb_tensor_t *dst, const pb_tensor_t *meta, char order, ui
 
 /* In long double: a gradient of 1e200 (Q of a QR at 1e-200 has one) still
  * squares into range, where the double would overflow and every error
- * divided by it would read 0. */
+ * divided by it would read 0.  (x86-64's 80-bit long double, or aarch64's
+ * quad; where long double is double, the old overflow is back.) */
 static long double dot(const pb_tensor_t *a, const pb_tensor_t *b)
 {
     size_t n = ncomp(a);

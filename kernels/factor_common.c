@@ -120,9 +120,7 @@ void pb__fz_sized(pb_call_t *c, size_t tape, bool square)
 
 /* ---- the ends of forward and reverse ----------------------------------------- */
 
-/* False when one of t's entries is NaN or Inf (x − x is 0 for every finite
- * x). */
-static bool all_finite(const pb_tensor_t *t)
+bool pb__fz_all_finite(const pb_tensor_t *t)
 {
     if (t->storage == NULL)
         return true;
@@ -155,7 +153,7 @@ int pb__fz_finish(pb_call_t *c, pb_tapedata_t *tape, pb_tensor_t *o, pb_tensor_t
     const bool keep = c->taped && (c->wrt & 1u);
     /* A finite A whose factors are not: they overflowed the dtype. */
     for (int i = 0; rc == 0 && i < c->op->noutputs; i++)
-        if (!all_finite(&o[i]))
+        if (!pb__fz_all_finite(&o[i]))
             rc = pb_err_set(err, PB_ENUMERICAL, "inputs.A",
                             "%s: output %s is not finite: A's entries are too near the dtype's largest number "
                             "for it; scale A down",

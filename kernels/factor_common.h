@@ -93,6 +93,9 @@ int pb__fz_opt(const pb_op_t *op, const char *name);
  * default gauge_atol needs the cotangents and is set by the reverse. */
 void pb__fz_resolve(const pb_op_t *op, const pb_optval_t *opt, double amax, pb_dtype_t d, int k, fz_opts_t *o);
 
+/* False when one of t's entries is NaN or Inf (true for an absent t). */
+bool pb__fz_all_finite(const pb_tensor_t *t);
+
 /* Once per process, before LAPACK runs: LAPACKE's NaN check off (why:
  * factor_common.c). */
 void pb__fz_lapack_setup(void);

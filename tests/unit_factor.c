@@ -336,10 +336,9 @@ static double orth_err(const pb_tensor_t *X, bool by_rows)
     return e;
 }
 
-/* The contract's gauge: each column's largest-magnitude entry (first on a
- * tie) is real and positive. */
-/* Every rule is homogeneous in A's scale, so its pullback is right at any
- * finite scale or none: max|A_ij| once overflowed at 1e154 (its square did)
+/* Every rule is homogeneous in A's scale, so its pullback is right at every
+ * scale from the small normal numbers up to where the reverse is refused
+ * (an eighth of the largest number over √(m·n)), or none: max|A_ij| once overflowed at 1e154 (its square did)
  * and made every default tolerance NaN, and the contract's rank_atol,
  * eps(max|A_ij|)^¾, passes every singular value near 1e-47: both gave zero
  * gradients.  The check itself must see them at such scales (its dot
@@ -377,6 +376,8 @@ static void extreme_scales(void **state)
         }
 }
 
+/* The contract's gauge: each column's largest-magnitude entry (first on a
+ * tie) is real and positive. */
 static void check_gauge(const pb_tensor_t *V, double tol, const char *what)
 {
     for (size_t j = 0; j < cols(V); j++) {

@@ -364,6 +364,23 @@ class FactorTest(DaemonCase):
             with self.assertRaises(PullbackError) as e:
                 self.c.forward("svd_vals", {"A": np.full((2, 2), big, dtype=dtype)})
             self.assertEqual(e.exception.code, "numerical_error", dtype)
+        # Near the largest number the reverse's sums of singular values
+        # overflowed into silently wrong gradients (polar 3% off at half of
+        # it): augmented_forward refuses such an A; forward still serves it.
+        A = self.rand((5, 3), np.float64) / 10 * np.finfo(np.float64).max
+        with self.assertRaises(PullbackError) as e:
+            self.c.augmented_forward("left_polar", {"A": A}, wrt=["A"])
+        self.assertEqual(e.exception.code, "numerical_error")
+        self.assertIn("too near the dtype's largest number", e.exception.message)
+        self.assertTrue(np.isfinite(self.c.forward("left_polar", {"A": A})["P"]).all())
+        # A gradient that overflows from finite A and cotangents is an
+        # error, not Inf/NaN handed back; the tape stays
+        o, tape = self.c.augmented_forward("qr_compact", {"A": self.rand((5, 3), np.float64)}, wrt=["A"])
+        with self.assertRaises(PullbackError) as e:
+            self.c.reverse(tape, {"R": np.full((3, 3), 1e308)}, keep=True)
+        self.assertEqual(e.exception.code, "numerical_error")
+        self.assertIn("gradient is not finite", e.exception.message)
+        self.assertTrue(np.isfinite(self.c.reverse(tape, {"R": np.ones((3, 3))})["A"]).all())
         # A NaN or Inf in a cotangent propagates, in eig too (it was a
         # numerical_error blaming a defective A: LAPACKE refused the NaN)
         _, tape = self.c.augmented_forward("eig_full", {"A": np.diag([1.0, 2.0])}, wrt=["A"])
