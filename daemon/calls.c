@@ -152,12 +152,21 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
     x->seed = ex.seed;
     if (kind == PB_CALL_AUGMENTED) {
         pb_tape_list_t *mine = pb_conn_tapes(c);
+        /* At a limit, tapes whose ttl has passed go first (the sweep timer
+         * runs once a second): an expired tape holds no slot and no bytes. */
+        if (mine->n >= rpc->cfg->max_tapes_per_connection)
+            pb_rpc_sweep(rpc);
         if (mine->n >= rpc->cfg->max_tapes_per_connection) {
             pb_err_set(&r->err, PB_ERESOURCE_EXHAUSTED, "max_tapes_per_connection",
                        "this connection holds %zu tapes, the max_tapes_per_connection limit", mine->n);
             return pb__req_fail(r, PB_ERESOURCE_EXHAUSTED);
         }
-        if ((rc = pb_tapes_reserve(&rpc->tapes, pb_conn_uid(c), x->call.tape_bytes, &r->err)))
+        rc = pb_tapes_reserve(&rpc->tapes, pb_conn_uid(c), x->call.tape_bytes, &r->err);
+        if (rc == PB_ERESOURCE_EXHAUSTED) {
+            pb_rpc_sweep(rpc);
+            rc = pb_tapes_reserve(&rpc->tapes, pb_conn_uid(c), x->call.tape_bytes, &r->err);
+        }
+        if (rc)
             return pb__req_fail(r, rc);
         x->reserved = x->call.tape_bytes;
         mine->n++;

@@ -158,6 +158,26 @@ static uint32_t send_fd(pb_client_t *c, const fd_t *f, const char *const *wrt, c
     return id;
 }
 
+/* augmented_forward of f with respect to bias, held ttl_s seconds (in peer
+ * scope, or the connection's). */
+static uint32_t send_ttl(pb_client_t *c, const fd_t *f, double ttl_s, bool peer)
+{
+    msgpack_packer *pk = pb_client_begin(c, "augmented_forward");
+    msgpack_pack_map(pk, 4 + peer);
+    pb_pack_kv_str(pk, "op", "fused_dense");
+    pack_inputs(pk, f);
+    pb_pack_str(pk, "wrt");
+    msgpack_pack_array(pk, 1);
+    pb_pack_str(pk, "bias");
+    if (peer)
+        pb_pack_kv_str(pk, "scope", "peer");
+    pb_pack_str(pk, "ttl_s");
+    msgpack_pack_double(pk, ttl_s);
+    uint32_t id;
+    assert_int_equal(pb_client_send(c, &id), 0);
+    return id;
+}
+
 static uint32_t send_reverse(pb_client_t *c, uint64_t tape, const char *dtype, const double *ybar, size_t out,
                              size_t batch, bool keep)
 {
@@ -797,19 +817,8 @@ static void ttl_expiry(void **state)
     pb_client_t *c = conn(&main_daemon);
     fd_t f;
     random_fd(&f, "f64", "gelu", 19);
-    const char *const wrt[] = {"bias", NULL};
-    msgpack_packer *pk = pb_client_begin(c, "augmented_forward");
-    msgpack_pack_map(pk, 5);
-    pb_pack_kv_str(pk, "op", "fused_dense");
-    pack_inputs(pk, &f);
-    pb_pack_str(pk, "wrt");
-    msgpack_pack_array(pk, 1);
-    pb_pack_str(pk, wrt[0]);
-    pb_pack_kv_str(pk, "scope", "peer");
-    pb_pack_str(pk, "ttl_s");
-    msgpack_pack_double(pk, 0.3);
     pb_reply_t r;
-    assert_int_equal(pb_client_call(c, &r), 0);
+    assert_int_equal(pb_client_wait(c, send_ttl(c, &f, 0.3, true), &r), 0);
     assert_null(r.error);
     uint64_t tape;
     assert_int_equal(pb_obj_uint(pb_obj_get(r.result, "tape"), &tape), 0);
@@ -850,6 +859,21 @@ static void limits(void **state)
     /* Nothing else is disturbed. */
     assert_int_equal(pb_client_wait(c, send_fd(c, &f, NULL, NULL, NULL), &r), 0);
     assert_null(r.error);
+    pb_reply_free(&r);
+    pb_client_close(c);
+    /* A tape whose ttl has passed holds no slot, even before the sweep
+     * timer (once a second) has run: it used to be refused until then. */
+    c = conn(d);
+    assert_int_equal(pb_client_wait(c, send_fd(c, &f, small, NULL, NULL), &r), 0);
+    assert_null(r.error);
+    pb_reply_free(&r);
+    assert_int_equal(pb_client_wait(c, send_ttl(c, &f, 0.05, false), &r), 0);
+    assert_null(r.error);
+    pb_reply_free(&r);
+    usleep(150000);
+    assert_int_equal(pb_client_wait(c, send_fd(c, &f, small, NULL, NULL), &r), 0);
+    if (r.error)
+        fail_msg("an expired tape still took a slot: %s", pb_reply_code(&r));
     pb_reply_free(&r);
     pb_client_close(c);
     assert_int_equal(daemon_stop(d), 0);
