@@ -110,9 +110,11 @@ static void forward_done(pb_job_t *j)
         return answer(r);
     }
     mine->n--; /* the pending count becomes the tape's own below */
-    if (pb_conn_closing(c) && !x->peer_scope) {
+    if (pb_conn_closing(c) || r->notify) {
+        /* Its handle reaches nobody (the reply is dropped, or there is
+         * none): nobody can use it, in peer scope either. */
         pb_tapes_unreserve(tapes, uid, x->reserved);
-        return pb__req_finish(r); /* nobody can use it; the reply is dropped too */
+        return pb__req_finish(r);
     }
     pb_tape_t *t = pb_tapes_insert(tapes, uid, x->reserved, &x->tdata);
     if (t == NULL) {

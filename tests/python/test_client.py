@@ -481,6 +481,33 @@ class DaemonTest(DaemonCase):
         self.assertIn("tapes", self.c.stats())
         self.assertEqual({self.c.recv()[0] for _ in range(3)}, pending)
 
+    def test_undelivered_tapes_are_not_kept(self):
+        """A tape whose handle reaches nobody is not kept, in peer scope
+        either: an augmented_forward sent as a notification, or one whose
+        connection closed before the reply (they used to hold their bytes
+        until ttl_s, 600 s by default)."""
+        self.wait_alone()
+        before, peer_before = self.c.stats()["tapes"], self.c.stats()["peer_tapes"]
+        W, x, _ = self.data()
+        params = {"op": "fused_dense", "inputs": {"weight": pullbackd.encode_tensor(W),
+                                                  "x": pullbackd.encode_tensor(x)},
+                  "wrt": ["x"], "scope": "peer"}
+        self.c.notify("augmented_forward", params)
+        self.assertIn("tapes", self.c.stats())  # after the notification, in order
+        self.assertEqual(self.wait_tapes(before), before)
+        self.assertEqual(self.c.stats()["peer_tapes"], peer_before)
+        A = np.random.default_rng(3).standard_normal((400, 400))
+        for _ in range(3):
+            other = pullbackd.Client(self.path, timeout=20)
+            other.send("augmented_forward", {"op": "svd_compact", "inputs": {"A": pullbackd.encode_tensor(A)},
+                                             "wrt": ["A"], "scope": "peer"})
+            other.close()  # long before the factorization is done
+        deadline = time.monotonic() + 10
+        while self.c.stats()["requests_in_flight"] > 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.assertEqual(self.wait_tapes(before), before)
+        self.assertEqual(self.c.stats()["peer_tapes"], peer_before)
+
     def test_scopes(self):
         W, x, _ = self.data()
         ybar = np.ones((3, 5))
