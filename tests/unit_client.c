@@ -189,6 +189,27 @@ static void test_obj_path(void **state)
     msgpack_sbuffer_destroy(&sb);
 }
 
+/* An empty str: msgpack-c unpacks it with a NULL ptr, which must not reach
+ * memcmp (UBSan's nonnull check catches it under build-asan). */
+static void test_obj_empty_str(void **state)
+{
+    (void)state;
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    assert_int_equal(msgpack_unpack_next(&up, "\xa0", 1, NULL), MSGPACK_UNPACK_SUCCESS);
+    assert_int_equal(up.data.type, MSGPACK_OBJECT_STR);
+    assert_int_equal(pb_obj_strcmp(&up.data, ""), 0);
+    assert_true(pb_obj_strcmp(&up.data, "abc") < 0);
+
+    msgpack_object o = { .type = MSGPACK_OBJECT_STR, .via.str = { .size = 0, .ptr = NULL } };
+    assert_int_equal(pb_obj_strcmp(&o, ""), 0);
+    assert_true(pb_obj_strcmp(&o, "x") < 0);
+    msgpack_object_kv kv = { o, o };
+    msgpack_object m = { .type = MSGPACK_OBJECT_MAP, .via.map = { .size = 1, .ptr = &kv } };
+    assert_ptr_equal(pb_obj_get(&m, ""), &kv.val);
+    msgpack_unpacked_destroy(&up);
+}
+
 /* ---- tensors ----------------------------------------------------------- */
 
 /* Pack t after `pad` bytes of a str (to move the bin off alignment) and read
@@ -1320,6 +1341,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_obj_path),
+        cmocka_unit_test(test_obj_empty_str),
         cmocka_unit_test(test_tensor_roundtrip),
         cmocka_unit_test(test_pack_into),
         cmocka_unit_test(test_socket_path),

@@ -1203,7 +1203,9 @@ int pb_obj_strcmp(const msgpack_object *o, const char *s)
         return -1;
     size_t n = strlen(s);
     size_t m = o->via.str.size;
-    int r = memcmp(o->via.str.ptr, s, m < n ? m : n);
+    size_t k = m < n ? m : n;
+    /* msgpack-c unpacks "" with a NULL ptr, which memcmp may not see. */
+    int r = k > 0 ? memcmp(o->via.str.ptr, s, k) : 0;
     if (r != 0)
         return r;
     return m < n ? -1 : m > n ? 1 : 0;
