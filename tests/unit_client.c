@@ -1270,6 +1270,40 @@ static void test_send_encoding(void **state)
     pb_client_close(c);
 }
 
+/* A negative fd is refused, and the begun request goes with it as with any
+ * failing send: nothing is sent later without its fd. */
+static void test_send_fd_refused(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    msgpack_unpacker u;
+    msgpack_unpacked up;
+    uint32_t id = 0;
+
+    assert_true(msgpack_unpacker_init(&u, 4096));
+    msgpack_unpacked_init(&up);
+    msgpack_packer *pk = pb_client_begin(c, "register_buffer");
+    msgpack_pack_map(pk, 1);
+    pb_pack_str(pk, "size");
+    msgpack_pack_uint32(pk, 4096);
+    assert_int_equal(pb_client_send_with_fd(c, -1, &id), -EBADF);
+    assert_int_equal(id, 0);
+    assert_int_equal(pb_client_send(c, &id), -EINVAL); /* nothing begun */
+    assert_int_equal(pb_client_send_with_fd(NULL, -1, &id), -EBADF);
+
+    pk = pb_client_begin(c, "hello");
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_send(c, &id), 0);
+    read_message(peer, &u, &up);
+    assert_int_equal(pb_obj_strcmp(&up.data.via.array.ptr[2], "hello"), 0);
+
+    msgpack_unpacked_destroy(&up);
+    msgpack_unpacker_destroy(&u);
+    close(peer);
+    pb_client_close(c);
+}
+
 /* A client that pipelines a big request while the daemon is busy writing
  * big replies must not deadlock: the peer writes all its replies before it
  * reads a byte. */
@@ -1354,6 +1388,7 @@ int main(void)
         cmocka_unit_test(test_recv_big_reuse),
         cmocka_unit_test(test_send_encoding),
         cmocka_unit_test(test_send_in_place),
+        cmocka_unit_test(test_send_fd_refused),
         cmocka_unit_test(test_pipeline_no_deadlock),
         cmocka_unit_test(test_closed_with_reason),
     };

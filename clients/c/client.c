@@ -1044,8 +1044,12 @@ int pb_client_send(pb_client_t *c, uint32_t *msgid_out)
 
 int pb_client_send_with_fd(pb_client_t *c, int fd, uint32_t *msgid_out)
 {
-    if (fd < 0)
+    if (fd < 0) {
+        /* Refused like any failing send: the request goes too. */
+        if (c != NULL)
+            client_discard(c);
         return -EBADF;
+    }
     return client_send(c, BEGUN_REQUEST, fd, msgid_out);
 }
 

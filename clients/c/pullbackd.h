@@ -107,7 +107,8 @@ PB_CLIENT_API int pb_client_send(pb_client_t *c, uint32_t *msgid_out);
 
 /* As pb_client_send(), passing fd to the daemon as SCM_RIGHTS ancillary data
  * on the request's first bytes (register_buffer, PROTOCOL section 6).  The
- * caller keeps its fd. */
+ * caller keeps its fd.  -EBADF for a negative fd (the request is discarded
+ * as by any failing send). */
 PB_CLIENT_API int pb_client_send_with_fd(pb_client_t *c, int fd, uint32_t *msgid_out);
 
 /* Start a notification [2, method, [ ; pack one map, then
