@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -106,6 +107,27 @@ static void read_message(int fd, msgpack_unpacker *u, msgpack_unpacked *up)
         assert_true(r > 0);
         msgpack_unpacker_buffer_consumed(u, (size_t)r);
     }
+}
+
+/* c still works and sent nothing since the last message peer read: a
+ * hello sent now is the next message there. */
+static void hello_is_next(pb_client_t *c, int peer)
+{
+    msgpack_unpacker u;
+    msgpack_unpacked up;
+    uint32_t id = 0;
+
+    msgpack_packer *pk = pb_client_begin(c, "hello");
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_send(c, &id), 0);
+    assert_true(msgpack_unpacker_init(&u, 4096));
+    msgpack_unpacked_init(&up);
+    read_message(peer, &u, &up);
+    assert_int_equal(up.data.type, MSGPACK_OBJECT_ARRAY);
+    assert_int_equal(up.data.via.array.size, 4);
+    assert_int_equal(pb_obj_strcmp(&up.data.via.array.ptr[2], "hello"), 0);
+    msgpack_unpacked_destroy(&up);
+    msgpack_unpacker_destroy(&u);
 }
 
 /* ---- object helpers ---------------------------------------------------- */
@@ -1270,6 +1292,79 @@ static void test_send_encoding(void **state)
     pb_client_close(c);
 }
 
+/* A packer that keeps the bytes it is given, except a body of 1 MiB or
+ * more, which it only notes (never reading it). */
+typedef struct {
+    msgpack_sbuffer sb;
+    size_t big;
+} skim_t;
+
+static int skim_write(void *data, const char *buf, size_t len)
+{
+    skim_t *k = data;
+    if (len >= (1u << 20)) {
+        k->big += len;
+        return 0;
+    }
+    return msgpack_sbuffer_write(&k->sb, buf, len);
+}
+
+/* Tensor data of 4 GiB or more cannot be told in a bin32 header: refused,
+ * never cut to 32 bits with all the bytes following.  The data is a sparse
+ * mapping that nothing should read. */
+static void test_pack_4gib(void **state)
+{
+    (void)state;
+#if SIZE_MAX > UINT32_MAX
+    const size_t huge = (size_t)1 << 32;
+    void *p = mmap(NULL, huge, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    assert_true(p != MAP_FAILED);
+    pb_ctensor_t t = { .dtype = "f32", .rank = 1, .shape = { huge / 4 }, .data = p, .nbytes = huge };
+
+    /* Another packer: nil in place of the data, the map still whole. */
+    skim_t k = { .big = 0 };
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&k.sb);
+    msgpack_packer_init(&pk, &k, skim_write);
+    pb_pack_tensor(&pk, &t);
+    assert_int_equal(k.big, 0);
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    assert_int_equal(msgpack_unpack_next(&up, k.sb.data, k.sb.size, &off), MSGPACK_UNPACK_SUCCESS);
+    assert_int_equal(off, k.sb.size);
+    assert_int_equal(pb_obj_get(&up.data, "data")->type, MSGPACK_OBJECT_NIL);
+    msgpack_unpacked_destroy(&up);
+
+    /* One byte less still fits. */
+    k.sb.size = 0;
+    t.nbytes = huge - 1;
+    pb_pack_tensor(&pk, &t);
+    assert_int_equal(k.big, huge - 1);
+    assert_true(k.sb.size >= 5);
+    assert_memory_equal(k.sb.data + k.sb.size - 5, "\xc6\xff\xff\xff\xff", 5);
+    msgpack_sbuffer_destroy(&k.sb);
+
+    /* A client's request: -EMSGSIZE at send, nothing written, and the
+     * connection goes on. */
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    uint32_t id = 0;
+    t.nbytes = huge;
+    msgpack_packer *cpk = pb_client_begin(c, "forward");
+    msgpack_pack_map(cpk, 1);
+    pb_pack_str(cpk, "A");
+    pb_pack_tensor(cpk, &t);
+    assert_int_equal(pb_client_send(c, &id), -EMSGSIZE);
+    hello_is_next(c, peer);
+    close(peer);
+    pb_client_close(c);
+    munmap(p, huge);
+#else
+    skip();
+#endif
+}
+
 /* A negative fd is refused, and the begun request goes with it as with any
  * failing send: nothing is sent later without its fd. */
 static void test_send_fd_refused(void **state)
@@ -1277,12 +1372,8 @@ static void test_send_fd_refused(void **state)
     (void)state;
     int peer;
     pb_client_t *c = pair_client(&peer);
-    msgpack_unpacker u;
-    msgpack_unpacked up;
     uint32_t id = 0;
 
-    assert_true(msgpack_unpacker_init(&u, 4096));
-    msgpack_unpacked_init(&up);
     msgpack_packer *pk = pb_client_begin(c, "register_buffer");
     msgpack_pack_map(pk, 1);
     pb_pack_str(pk, "size");
@@ -1291,15 +1382,7 @@ static void test_send_fd_refused(void **state)
     assert_int_equal(id, 0);
     assert_int_equal(pb_client_send(c, &id), -EINVAL); /* nothing begun */
     assert_int_equal(pb_client_send_with_fd(NULL, -1, &id), -EBADF);
-
-    pk = pb_client_begin(c, "hello");
-    msgpack_pack_map(pk, 0);
-    assert_int_equal(pb_client_send(c, &id), 0);
-    read_message(peer, &u, &up);
-    assert_int_equal(pb_obj_strcmp(&up.data.via.array.ptr[2], "hello"), 0);
-
-    msgpack_unpacked_destroy(&up);
-    msgpack_unpacker_destroy(&u);
+    hello_is_next(c, peer);
     close(peer);
     pb_client_close(c);
 }
@@ -1389,6 +1472,7 @@ int main(void)
         cmocka_unit_test(test_send_encoding),
         cmocka_unit_test(test_send_in_place),
         cmocka_unit_test(test_send_fd_refused),
+        cmocka_unit_test(test_pack_4gib),
         cmocka_unit_test(test_pipeline_no_deadlock),
         cmocka_unit_test(test_closed_with_reason),
     };

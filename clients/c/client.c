@@ -1259,6 +1259,24 @@ size_t pb_ctensor_count(const pb_ctensor_t *t)
     return n;
 }
 
+/* msgpack's str32 and bin32 hold lengths below 2^32, and msgpack-c would
+ * cut a longer one to 32 bits and still write every byte after it.  Such a
+ * payload makes a client's request fail at send (pack_err, which also stops
+ * all that would follow); another packer gets nil in its place, so that the
+ * object around it stays whole. */
+static bool pack_len_ok(msgpack_packer *pk, size_t n)
+{
+    if ((uint64_t)n <= UINT32_MAX)
+        return true;
+    if (pk->callback == client_pack_write) {
+        pb_client_t *c = pk->data;
+        if (c->pack_err == 0)
+            c->pack_err = -EMSGSIZE;
+    }
+    msgpack_pack_nil(pk);
+    return false;
+}
+
 void pb_pack_str(msgpack_packer *pk, const char *s)
 {
     if (s == NULL) {
@@ -1266,6 +1284,8 @@ void pb_pack_str(msgpack_packer *pk, const char *s)
         return;
     }
     size_t n = strlen(s);
+    if (!pack_len_ok(pk, n))
+        return;
     msgpack_pack_str(pk, n);
     msgpack_pack_str_body(pk, s, n);
 }
@@ -1333,6 +1353,8 @@ void pb_pack_tensor(msgpack_packer *pk, const pb_ctensor_t *t)
         /* NULL data packs an empty bin whatever nbytes says. */
         size_t n = t->data != NULL ? t->nbytes : 0;
         pb_pack_str(pk, "data");
+        if (!pack_len_ok(pk, n))
+            return;
         msgpack_pack_bin(pk, n);
         if (n > 0 && !client_defer(pk, t->data, n))
             msgpack_pack_bin_body(pk, t->data, n);

@@ -100,9 +100,10 @@ PB_CLIENT_API msgpack_packer *pb_client_begin(pb_client_t *c, const char *method
  * writes and EINTR are handled, and replies that arrive meanwhile are read
  * and kept, so a long pipeline cannot deadlock against the daemon's
  * replies).  *msgid_out (may be NULL) gets its msgid.  -EINVAL when nothing
- * was begun or the params are not exactly one map; -ENOMEM; -EPIPE when the
- * daemon closed the connection (replies it sent before are still
- * readable).  The request is discarded either way. */
+ * was begun or the params are not exactly one map; -EMSGSIZE when a
+ * tensor's data or a str is 4 GiB or longer (see pb_pack_tensor());
+ * -ENOMEM; -EPIPE when the daemon closed the connection (replies it sent
+ * before are still readable).  The request is discarded either way. */
 PB_CLIENT_API int pb_client_send(pb_client_t *c, uint32_t *msgid_out);
 
 /* As pb_client_send(), passing fd to the daemon as SCM_RIGHTS ancillary data
@@ -245,6 +246,9 @@ PB_CLIENT_API size_t pb_ctensor_count(const pb_ctensor_t *t);
 
 /* Pack t as a tensor map {dtype, shape, order?, data} (or {dtype, shape,
  * order?, buffer, offset} when t->shm).  Packing failures surface at send.
+ * A msgpack bin holds less than 4 GiB: data of 2^32 bytes or more makes the
+ * send of a client's request fail with -EMSGSIZE (nothing written); packed
+ * with another packer, nil stands in its place.
  * Into a client's request (the packer pb_client_begin() returned), data of
  * 64 KiB and more is not copied: it is sent from t->data itself (sendmsg
  * with an iovec of its own), so it must stay valid and unchanged until
@@ -266,7 +270,8 @@ PB_CLIENT_API int pb_ctensor_copy_f32(const pb_ctensor_t *t, float *out, size_t 
 
 /* ---- Packing helpers --------------------------------------------------- */
 
-/* A msgpack str holding s (NULL packs nil). */
+/* A msgpack str holding s (NULL packs nil).  A string of 4 GiB or more is
+ * refused as pb_pack_tensor() refuses such data. */
 PB_CLIENT_API void pb_pack_str(msgpack_packer *pk, const char *s);
 /* One map entry: key and val as str. */
 PB_CLIENT_API void pb_pack_kv_str(msgpack_packer *pk, const char *key, const char *val);
