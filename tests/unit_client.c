@@ -26,6 +26,34 @@
 
 /* ---- helpers ----------------------------------------------------------- */
 
+/* Allocations fail on demand: this program links with --wrap=malloc and
+ * --wrap=realloc, so the calls of the client library (and of this file, not
+ * of msgpack-c's shared library) come here.  A malloc of fail_lo bytes or
+ * more and less than fail_hi fails, and so does every realloc while
+ * realloc_fails. */
+static size_t fail_lo, fail_hi;
+static bool realloc_fails;
+void *__real_malloc(size_t n);
+void *__real_realloc(void *p, size_t n);
+void *__wrap_malloc(size_t n);
+void *__wrap_realloc(void *p, size_t n);
+
+void *__wrap_malloc(size_t n)
+{
+    return n >= fail_lo && n < fail_hi ? NULL : __real_malloc(n);
+}
+
+void *__wrap_realloc(void *p, size_t n)
+{
+    return realloc_fails ? NULL : __real_realloc(p, n);
+}
+
+static void malloc_fails(size_t lo, size_t hi)
+{
+    fail_lo = lo;
+    fail_hi = hi;
+}
+
 static void pk_str(msgpack_packer *pk, const char *s)
 {
     msgpack_pack_str(pk, strlen(s));
@@ -1053,6 +1081,73 @@ static void test_recv_big_reuse(void **state)
     pb_reply_free(&kept);
 }
 
+/* Running out of memory while receiving loses nothing and breaks nothing:
+ * the receive says -ENOMEM, and once memory is back the same replies come,
+ * whole.  Where it can happen: a big reply's own buffer, the small buffer
+ * the bytes after a big reply go back to, a slot in the reply queue. */
+static void test_recv_enomem_loses_nothing(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    msgpack_sbuffer sb;
+    sb_writer_t w;
+    pb_reply_t r, a, b;
+    const size_t len = 2u << 20;
+
+    /* A big reply's buffer. */
+    msgpack_sbuffer_init(&sb);
+    pack_bins(&sb, 1, 1, len, 5);
+    write_start(&w, peer, &sb, 0);
+    malloc_fails(1u << 20, SIZE_MAX);
+    assert_int_equal(pb_client_recv_timeout(c, &r, 5000), -ENOMEM);
+    assert_int_equal(pb_client_recv_timeout(c, &r, 0), -ENOMEM);
+    malloc_fails(0, 0);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    check_bins(&r, 1, 1, len, 5);
+    pb_reply_free(&r);
+    write_join(&w);
+
+    /* The small buffer after a big reply, while a reply kept (a) holds the
+     * old one. */
+    sb.size = 0;
+    pack_ok(&sb, 2, 20);
+    pack_bins(&sb, 3, 1, len, 6);
+    pack_ok(&sb, 4, 40);
+    write_start(&w, peer, &sb, 0);
+    assert_int_equal(pb_client_recv(c, &a), 0);
+    assert_int_equal(reply_n(&a), 20);
+    malloc_fails(64u << 10, 1u << 20);
+    assert_int_equal(pb_client_recv(c, &b), 0);
+    malloc_fails(0, 0);
+    check_bins(&b, 3, 1, len, 6);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_int_equal(reply_n(&r), 40);
+    pb_reply_free(&r);
+    pb_reply_free(&b);
+    pb_reply_free(&a);
+    write_join(&w);
+
+    /* A queue slot for a reply read while waiting for another. */
+    sb.size = 0;
+    pack_ok(&sb, 6, 60);
+    pack_ok(&sb, 5, 50);
+    write_all(peer, sb.data, sb.size);
+    realloc_fails = true;
+    assert_int_equal(pb_client_wait(c, 5, &r), -ENOMEM);
+    realloc_fails = false;
+    assert_int_equal(pb_client_wait(c, 5, &r), 0);
+    assert_int_equal(reply_n(&r), 50);
+    pb_reply_free(&r);
+    assert_int_equal(pb_client_recv_timeout(c, &r, 2000), 0);
+    assert_int_equal(reply_n(&r), 60);
+    pb_reply_free(&r);
+
+    msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
 /* ---- sending ----------------------------------------------------------- */
 
 /* ---- big tensors sent in place ---------------------------------------- */
@@ -1469,6 +1564,7 @@ int main(void)
         cmocka_unit_test(test_recv_big_in_pieces),
         cmocka_unit_test(test_recv_big_and_small_in_one_read),
         cmocka_unit_test(test_recv_big_reuse),
+        cmocka_unit_test(test_recv_enomem_loses_nothing),
         cmocka_unit_test(test_send_encoding),
         cmocka_unit_test(test_send_in_place),
         cmocka_unit_test(test_send_fd_refused),

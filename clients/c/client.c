@@ -118,7 +118,10 @@ struct pb_client {
     unsigned grown_next;
     size_t first_need;   /* of the big message being read */
     bool eof;            /* the daemon closed its end */
-    int broken;          /* sticky receive error (-EPROTO, -ENOMEM) or 0 */
+    int broken;          /* -EPROTO once the stream from the daemon is lost
+                            for good, else 0.  Running out of memory is not
+                            sticky: it consumes nothing, and the receive
+                            after tries again. */
 
     pb_reply_t *queue;   /* FIFO of replies read but not yet returned */
     size_t qlen, qcap;
@@ -488,17 +491,23 @@ static int client_room(pb_client_t *c, size_t *stop)
 }
 
 /* A big message has been framed in rb: what follows it goes back to the
- * small buffer (a new one when a reply still points into the old one). */
-static int client_leave_big(pb_client_t *c, size_t len)
+ * small buffer (a new one when a reply still points into the old one).
+ * Without memory for a new one, what follows stays in rb, which serves as
+ * a big buffer does, and the move is tried again after the next message:
+ * the message just framed is not lost for it. */
+static void client_leave_big(pb_client_t *c, size_t len)
 {
     size_t rest = c->rend - c->rpos;
     client_rbuf_t *s = c->small;
 
-    client_grown_note(c, c->first_need, len + CLIENT_SLACK);
+    if (c->first_need != 0) {
+        client_grown_note(c, c->first_need, len + CLIENT_SLACK);
+        c->first_need = 0;
+    }
     if (!rbuf_alone(s) || rest > s->cap) {
         s = rbuf_new(rest > CLIENT_READ_CHUNK ? rest : CLIENT_READ_CHUNK);
         if (s == NULL)
-            return -ENOMEM;
+            return;
         rbuf_put(c->small);
         c->small = s;
     }
@@ -507,7 +516,6 @@ static int client_leave_big(pb_client_t *c, size_t len)
     c->rb = s;
     c->rpos = 0;
     c->rend = rest;
-    return 0;
 }
 
 /* One recv() into the receive buffer.  1 when bytes came, 0 at end of
@@ -516,10 +524,8 @@ static int client_fill(pb_client_t *c)
 {
     size_t stop;
     int rc = client_room(c, &stop);
-    if (rc < 0) {
-        c->broken = rc;
+    if (rc < 0)
         return rc;
-    }
     for (;;) {
         ssize_t r = recv(c->fd, c->rb->data + c->rend, stop - c->rend, MSG_DONTWAIT);
         if (r > 0) {
@@ -595,7 +601,8 @@ static int reply_take(msgpack_unpacked *up, pb_reply_t *out)
 
 /* Frame one message from what has been read.  1 with *out filled, 0 when
  * more bytes are needed, or a negative code.  With leave_bad, a message
- * that is no reply is left unread (0) for a later receive to report. */
+ * that is no reply is left unread (0) for a later receive to report.
+ * -ENOMEM leaves the message unread too. */
 static int client_parse(pb_client_t *c, pb_reply_t *out, bool leave_bad)
 {
     msgpack_unpacked up;
@@ -614,23 +621,24 @@ static int client_parse(pb_client_t *c, pb_reply_t *out, bool leave_bad)
     msgpack_unpacked_init(&up);
     switch (msgpack_unpack_next(&up, c->rb->data + c->rpos, len, &off)) {
     case MSGPACK_UNPACK_SUCCESS:
+        rc = reply_take(&up, &r);
         break;
     case MSGPACK_UNPACK_NOMEM_ERROR:
-        c->broken = -ENOMEM;
-        return -ENOMEM;
+        rc = -ENOMEM;
+        break;
     default:
-        c->broken = -EPROTO;
-        return -EPROTO;
+        c->broken = rc = -EPROTO;
+        break;
     }
-    rc = reply_take(&up, &r);
     msgpack_unpacked_destroy(&up);
+    if (rc == -ENOMEM || c->broken < 0)
+        return rc;
     if (rc < 0 && leave_bad)
         return 0;
     /* The reply's payloads point into rb: its zone keeps rb alive. */
     if (rc == 0) {
         if (!msgpack_zone_push_finalizer(r.up.zone, rbuf_release, c->rb)) {
             pb_reply_free(&r);
-            c->broken = -ENOMEM;
             return -ENOMEM;
         }
         rbuf_get(c->rb);
@@ -640,15 +648,8 @@ static int client_parse(pb_client_t *c, pb_reply_t *out, bool leave_bad)
     c->rpos += len;
     c->framed = 0;
     pb_scan_reset(&c->scan);
-    if (c->rb != c->small) {
-        int lrc = client_leave_big(c, len);
-        if (lrc < 0) {
-            if (rc == 0)
-                pb_reply_free(&r);
-            c->broken = lrc;
-            return lrc;
-        }
-    }
+    if (c->rb != c->small)
+        client_leave_big(c, len);
     if (rc < 0)
         return rc;
     *out = r;
@@ -695,18 +696,26 @@ static int client_read_reply(pb_client_t *c, pb_reply_t *out, int timeout_ms)
     }
 }
 
-static int queue_push(pb_client_t *c, pb_reply_t *r)
+/* Room for one more queued reply, made before a reply that may be queued
+ * is read: one read and then dropped for want of a slot would leave its
+ * caller waiting for it forever. */
+static int queue_reserve(pb_client_t *c)
 {
-    if (c->qlen == c->qcap) {
-        size_t ncap = c->qcap ? c->qcap * 2 : 8;
-        pb_reply_t *q = realloc(c->queue, ncap * sizeof *q);
-        if (q == NULL)
-            return -ENOMEM;
-        c->queue = q;
-        c->qcap = ncap;
-    }
-    c->queue[c->qlen++] = *r;
+    if (c->qlen < c->qcap)
+        return 0;
+    size_t ncap = c->qcap ? c->qcap * 2 : 8;
+    pb_reply_t *q = realloc(c->queue, ncap * sizeof *q);
+    if (q == NULL)
+        return -ENOMEM;
+    c->queue = q;
+    c->qcap = ncap;
     return 0;
+}
+
+/* After queue_reserve. */
+static void queue_push(pb_client_t *c, const pb_reply_t *r)
+{
+    c->queue[c->qlen++] = *r;
 }
 
 static void queue_take(pb_client_t *c, size_t i, pb_reply_t *out)
@@ -739,14 +748,12 @@ static int client_queue_framed(pb_client_t *c)
 {
     for (;;) {
         pb_reply_t r;
-        int rc = client_parse(c, &r, true);
+        int rc = queue_reserve(c);
+        if (rc == 0)
+            rc = client_parse(c, &r, true);
         if (rc <= 0)
             return rc == -ENOMEM ? rc : 0;
-        rc = queue_push(c, &r);
-        if (rc < 0) {
-            pb_reply_free(&r);
-            return rc;
-        }
+        queue_push(c, &r);
     }
 }
 
@@ -767,11 +774,8 @@ bool pb_client_pending(pb_client_t *c)
 static int closed_reply(pb_client_t *c, pb_reply_t *out)
 {
     pb_reply_t r;
-    while (client_read_reply(c, &r, 0) == 0)
-        if (queue_push(c, &r) < 0) {
-            pb_reply_free(&r);
-            break;
-        }
+    while (queue_reserve(c) == 0 && client_read_reply(c, &r, 0) == 0)
+        queue_push(c, &r);
     for (size_t i = 0; i < c->qlen; i++)
         if (c->queue[i].msgid == 0 && c->queue[i].error != NULL) {
             queue_take(c, i, out);
@@ -792,7 +796,9 @@ int pb_client_wait(pb_client_t *c, uint32_t msgid, pb_reply_t *out)
     }
     for (;;) {
         pb_reply_t r;
-        int rc = client_read_reply(c, &r, -1);
+        int rc = queue_reserve(c);
+        if (rc == 0)
+            rc = client_read_reply(c, &r, -1);
         if (rc == -EPIPE)
             return closed_reply(c, out);
         if (rc < 0)
@@ -801,11 +807,7 @@ int pb_client_wait(pb_client_t *c, uint32_t msgid, pb_reply_t *out)
             *out = r;
             return 0;
         }
-        rc = queue_push(c, &r);
-        if (rc < 0) {
-            pb_reply_free(&r);
-            return rc;
-        }
+        queue_push(c, &r);
     }
 }
 

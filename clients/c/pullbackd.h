@@ -153,7 +153,8 @@ typedef struct pb_reply {
  * socket.  -EPIPE when the daemon closed the connection, -EPROTO for a
  * message that is not a msgpack-RPC response (after bytes that are not
  * msgpack the stream cannot be resynchronised, so every later receive gives
- * -EPROTO too), -ENOMEM. */
+ * -EPROTO too), -ENOMEM (nothing is lost: the reply stays unread, and a
+ * later receive returns it once there is memory). */
 PB_CLIENT_API int pb_client_recv(pb_client_t *c, pb_reply_t *out);
 
 /* As pb_client_recv(), waiting at most timeout_ms (< 0: forever);
