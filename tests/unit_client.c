@@ -12,6 +12,7 @@
 #include <cmocka.h>
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -135,6 +136,18 @@ static void read_message(int fd, msgpack_unpacker *u, msgpack_unpacked *up)
         assert_true(r > 0);
         msgpack_unpacker_buffer_consumed(u, (size_t)r);
     }
+}
+
+/* Bytes the client has written that peer can read now. */
+static size_t drain(int peer)
+{
+    char buf[65536];
+    size_t total = 0;
+    ssize_t n;
+    while ((n = recv(peer, buf, sizeof buf, MSG_DONTWAIT)) > 0)
+        total += (size_t)n;
+    assert_true(n == 0 || errno == EAGAIN || errno == EWOULDBLOCK);
+    return total;
 }
 
 /* c still works and sent nothing since the last message peer read: a
@@ -806,6 +819,11 @@ static void test_recv_malformed(void **state)
     write_all(peer, sb.data, sb.size);
     assert_int_equal(pb_client_recv(c, &r), -EPROTO);
     assert_int_equal(pb_client_recv(c, &r), -EPROTO);
+    /* Nothing is sent either: no reply could be read. */
+    msgpack_packer *hp = pb_client_begin(c, "hello");
+    msgpack_pack_map(hp, 0);
+    assert_int_equal(pb_client_send(c, NULL), -EPROTO);
+    assert_int_equal(drain(peer), 0);
 
     msgpack_sbuffer_destroy(&sb);
     close(peer);
@@ -1482,6 +1500,164 @@ static void test_send_fd_refused(void **state)
     pb_client_close(c);
 }
 
+/* ---- a send that fails part way ----------------------------------------- */
+
+enum { TORN_REQ = 4 << 20 };
+
+/* The daemon's side of a send that fails part way: once the client's first
+ * bytes are there, it writes `what`, then reads nothing until `done` is
+ * readable.  Should the client hang (it did when it stopped reading), it
+ * reads the request after a while, so that the send returns and the test
+ * fails instead of hanging. */
+typedef struct {
+    int peer, done;
+    const msgpack_sbuffer *what;
+    pthread_t th;
+} interject_t;
+
+static void *interject(void *arg)
+{
+    interject_t *t = arg;
+    struct pollfd pfd = { .fd = t->peer, .events = POLLIN };
+    if (poll(&pfd, 1, 10000) != 1)
+        return NULL;
+    write_all(t->peer, t->what->data, t->what->size);
+    pfd = (struct pollfd){ .fd = t->done, .events = POLLIN };
+    if (poll(&pfd, 1, 3000) == 1)
+        return NULL;
+    char buf[65536];
+    ssize_t n;
+    for (size_t total = 0; total < TORN_REQ && (n = read(t->peer, buf, sizeof buf)) > 0;)
+        total += (size_t)n;
+    return NULL;
+}
+
+/* Send a request of a TORN_REQ-byte tensor while peer writes `what` after
+ * the first bytes; the send's result. */
+static int send_interjected(pb_client_t *c, int peer, const msgpack_sbuffer *what)
+{
+    int done[2];
+    assert_int_equal(pipe(done), 0);
+    interject_t t = { .peer = peer, .done = done[0], .what = what };
+    char *big = calloc(1, TORN_REQ);
+    assert_non_null(big);
+    pb_ctensor_t x = { .dtype = "f64", .rank = 1, .shape = { TORN_REQ / 8 }, .data = big, .nbytes = TORN_REQ };
+    msgpack_packer *pk = pb_client_begin(c, "forward");
+    msgpack_pack_map(pk, 1);
+    pb_pack_str(pk, "x");
+    pb_pack_tensor(pk, &x);
+    assert_int_equal(pthread_create(&t.th, NULL, interject, &t), 0);
+    int rc = pb_client_send(c, NULL);
+    write_all(done[1], "", 1);
+    assert_int_equal(pthread_join(t.th, NULL), 0);
+    close(done[0]);
+    close(done[1]);
+    free(big);
+    return rc;
+}
+
+/* A send fails after part of its request is out: when the replies read
+ * meanwhile find no memory, and when the daemon sends bytes that are not
+ * msgpack (the client then stopped reading and kept writing, which could
+ * block forever).  The send says -EIO; nothing more is written, and every
+ * later send and receive says -EIO, a reply queued before included. */
+static void test_send_torn(void **state)
+{
+    (void)state;
+    for (int junk = 0; junk < 2; junk++) {
+        int peer;
+        pb_client_t *c = pair_client(&peer);
+        msgpack_sbuffer what;
+        msgpack_packer pk;
+        pb_reply_t r;
+        uint32_t id;
+
+        /* A small reply, then the start of one of 2 MiB (more than the
+         * small buffer: the client needs the big one to read on), or junk. */
+        msgpack_sbuffer_init(&what);
+        msgpack_packer_init(&pk, &what, msgpack_sbuffer_write);
+        pack_ok(&what, 1, 10);
+        if (junk) {
+            msgpack_sbuffer_write(&what, "\xc1", 1);
+        } else {
+            msgpack_pack_array(&pk, 4);
+            msgpack_pack_int(&pk, 1);
+            msgpack_pack_int(&pk, 2);
+            msgpack_pack_nil(&pk);
+            msgpack_pack_bin(&pk, 2u << 20);
+            char *part = calloc(1, 100000);
+            assert_non_null(part);
+            msgpack_pack_bin_body(&pk, part, 100000);
+            free(part);
+            malloc_fails(1u << 20, SIZE_MAX);
+        }
+        int rc = send_interjected(c, peer, &what);
+        malloc_fails(0, 0);
+        assert_int_equal(rc, -EIO);
+        size_t got = drain(peer);
+        assert_true(got > 0 && got < TORN_REQ);
+
+        msgpack_packer *hp = pb_client_begin(c, "hello");
+        msgpack_pack_map(hp, 0);
+        assert_int_equal(pb_client_send(c, &id), -EIO);
+        hp = pb_client_begin_notify(c, "hello");
+        msgpack_pack_map(hp, 0);
+        assert_int_equal(pb_client_send_notify(c), -EIO);
+        assert_int_equal(pb_client_send_raw(c, "\x90", 1), -EIO);
+        hp = pb_client_begin(c, "hello");
+        msgpack_pack_map(hp, 0);
+        assert_int_equal(pb_client_call(c, &r), -EIO);
+        assert_false(pb_client_pending(c));
+        assert_int_equal(pb_client_recv(c, &r), -EIO);
+        assert_int_equal(pb_client_recv_timeout(c, &r, 0), -EIO);
+        assert_int_equal(pb_client_wait(c, 1, &r), -EIO);
+        assert_int_equal(drain(peer), 0);
+
+        msgpack_sbuffer_destroy(&what);
+        close(peer);
+        pb_client_close(c);
+    }
+}
+
+/* Out of memory before the first byte of a request is out: -ENOMEM, the
+ * request discarded, the connection as it was (the reply being read when
+ * memory ran out comes whole afterwards). */
+static void test_send_enomem_first(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    msgpack_sbuffer sb;
+    sb_writer_t w;
+    pb_reply_t r;
+    const size_t len = 2u << 20;
+
+    msgpack_sbuffer_init(&sb);
+    pack_ok(&sb, 1, 10);
+    pack_bins(&sb, 2, 1, len, 9);
+    write_start(&w, peer, &sb, 0);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_int_equal(reply_n(&r), 10);
+    pb_reply_free(&r);
+    /* The big reply waits in the socket: the send reads it first. */
+    malloc_fails(1u << 20, SIZE_MAX);
+    msgpack_packer *pk = pb_client_begin(c, "release");
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_send(c, NULL), -ENOMEM);
+    malloc_fails(0, 0);
+    assert_int_equal(drain(peer), 0);
+    assert_int_equal(pb_client_send(c, NULL), -EINVAL); /* discarded */
+    hello_is_next(c, peer);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    check_bins(&r, 2, 1, len, 9);
+    pb_reply_free(&r);
+    write_join(&w);
+
+    msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
 /* A client that pipelines a big request while the daemon is busy writing
  * big replies must not deadlock: the peer writes all its replies before it
  * reads a byte. */
@@ -1569,6 +1745,8 @@ int main(void)
         cmocka_unit_test(test_send_in_place),
         cmocka_unit_test(test_send_fd_refused),
         cmocka_unit_test(test_pack_4gib),
+        cmocka_unit_test(test_send_torn),
+        cmocka_unit_test(test_send_enomem_first),
         cmocka_unit_test(test_pipeline_no_deadlock),
         cmocka_unit_test(test_closed_with_reason),
     };

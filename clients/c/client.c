@@ -122,6 +122,10 @@ struct pb_client {
                             for good, else 0.  Running out of memory is not
                             sticky: it consumes nothing, and the receive
                             after tries again. */
+    bool torn;           /* a write failed after part of its message was
+                            out: the daemon would read what follows as the
+                            rest of it, so nothing more is written and every
+                            send and receive returns -EIO */
 
     pb_reply_t *queue;   /* FIFO of replies read but not yet returned */
     size_t qlen, qcap;
@@ -729,6 +733,8 @@ int pb_client_recv_timeout(pb_client_t *c, pb_reply_t *out, int timeout_ms)
 {
     if (c == NULL || out == NULL)
         return -EINVAL;
+    if (c->torn)
+        return -EIO;
     if (c->qlen > 0) {
         queue_take(c, 0, out);
         return 0;
@@ -742,8 +748,9 @@ int pb_client_recv(pb_client_t *c, pb_reply_t *out)
 }
 
 /* Frame the replies that lie complete in what has been read and queue
- * them (0, or -ENOMEM).  A message that is no reply stops it, left in place
- * for the receive that reaches it to report. */
+ * them: 0, or -ENOMEM, or -EPROTO when the stream is lost.  A message that
+ * is no reply stops it, left in place for the receive that reaches it to
+ * report. */
 static int client_queue_framed(pb_client_t *c)
 {
     for (;;) {
@@ -752,14 +759,14 @@ static int client_queue_framed(pb_client_t *c)
         if (rc == 0)
             rc = client_parse(c, &r, true);
         if (rc <= 0)
-            return rc == -ENOMEM ? rc : 0;
+            return rc;
         queue_push(c, &r);
     }
 }
 
 bool pb_client_pending(pb_client_t *c)
 {
-    if (c == NULL)
+    if (c == NULL || c->torn)
         return false;
     if (c->qlen == 0)
         client_queue_framed(c);
@@ -788,6 +795,8 @@ int pb_client_wait(pb_client_t *c, uint32_t msgid, pb_reply_t *out)
 {
     if (c == NULL || out == NULL)
         return -EINVAL;
+    if (c->torn)
+        return -EIO;
     for (size_t i = 0; i < c->qlen; i++) {
         if (c->queue[i].msgid == msgid) {
             queue_take(c, i, out);
@@ -855,15 +864,22 @@ static ssize_t send_iov(int sock, struct iovec *iov, int n, int fd)
     return sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
-/* Write all bytes of iov[0, niov), reading replies that arrive meanwhile.
- * pass_fd >= 0 rides on the first bytes written.  iov is consumed. */
-static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_fd)
+/* Write all bytes of iov[0, niov), reading replies that arrive meanwhile:
+ * 0, or a negative code with *wrote telling whether any byte went out.
+ * pass_fd >= 0 rides on the first bytes written.  iov is consumed.
+ *
+ * The reading is what keeps a daemon that is blocked on writing its
+ * replies reading our bytes, so when it fails (no memory for a reply, bytes
+ * that are not msgpack) the write stops too rather than wait on a daemon
+ * that may never read again.  An end of stream does not stop it: the
+ * daemon is gone, and the write meets EPIPE. */
+static int client_writev_some(pb_client_t *c, struct iovec *iov, int niov, int pass_fd, bool *wrote)
 {
     while (niov > 0 && iov[0].iov_len == 0)
         iov++, niov--;
     while (niov > 0) {
         struct pollfd pfd = { .fd = c->fd, .events = POLLOUT };
-        if (!c->eof && c->broken == 0)
+        if (!c->eof)
             pfd.events |= POLLIN;
         if (poll(&pfd, 1, -1) < 0) {
             if (errno == EINTR)
@@ -878,10 +894,8 @@ static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_f
             int rc = client_fill(c);
             if (rc == 1)
                 rc = client_queue_framed(c);
-            if (rc == -ENOMEM)
-                return rc;
             if (rc < 0 && rc != -EAGAIN)
-                c->eof = true; /* the write below reports the failure */
+                return rc;
         }
         if (pfd.revents & (POLLOUT | POLLERR | POLLHUP)) {
             ssize_t w = send_iov(c->fd, iov, niov, pass_fd);
@@ -890,6 +904,7 @@ static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_f
                     continue;
                 return errno == ECONNRESET ? -EPIPE : -errno;
             }
+            *wrote = true;
             pass_fd = -1;
             size_t left = (size_t)w;
             while (niov > 0 && left >= iov[0].iov_len) {
@@ -903,6 +918,27 @@ static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_f
         }
     }
     return 0;
+}
+
+/* client_writev_some, for one whole message.  A failure before its first
+ * byte leaves the stream as it was.  One after tears the connection, but
+ * for -EPIPE: the daemon is gone, nothing can follow the part it got, and
+ * what it sent before stays readable.  A stream the client can no longer
+ * read is not written to either (nothing would read the replies). */
+static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_fd)
+{
+    bool wrote = false;
+
+    if (c->torn)
+        return -EIO;
+    if (c->broken < 0)
+        return c->broken;
+    int rc = client_writev_some(c, iov, niov, pass_fd, &wrote);
+    if (rc < 0 && rc != -EPIPE && wrote) {
+        c->torn = true;
+        return -EIO;
+    }
+    return rc;
 }
 
 static int client_write(pb_client_t *c, const char *p, size_t n, int pass_fd)

@@ -83,7 +83,8 @@ PB_CLIENT_API void pb_client_close(pb_client_t *c);
 PB_CLIENT_API int pb_client_fd(const pb_client_t *c);
 
 /* True when a reply can be returned by pb_client_recv() without waiting:
- * one is queued, or bytes already read hold a complete message. */
+ * one is queued, or bytes already read hold a complete message.  False on
+ * a connection a send has broken (see pb_client_send()). */
 PB_CLIENT_API bool pb_client_pending(pb_client_t *c);
 
 /* ---- Requests --------------------------------------------------------- */
@@ -99,11 +100,22 @@ PB_CLIENT_API msgpack_packer *pb_client_begin(pb_client_t *c, const char *method
 /* Write the begun request (blocking until all of it is written; partial
  * writes and EINTR are handled, and replies that arrive meanwhile are read
  * and kept, so a long pipeline cannot deadlock against the daemon's
- * replies).  *msgid_out (may be NULL) gets its msgid.  -EINVAL when nothing
- * was begun or the params are not exactly one map; -EMSGSIZE when a
- * tensor's data or a str is 4 GiB or longer (see pb_pack_tensor());
- * -ENOMEM; -EPIPE when the daemon closed the connection (replies it sent
- * before are still readable).  The request is discarded either way. */
+ * replies).  *msgid_out (may be NULL) gets its msgid.  The request is
+ * discarded either way.  -EINVAL when nothing was begun or the params are
+ * not exactly one map; -EMSGSIZE when a tensor's data or a str is 4 GiB or
+ * longer (see pb_pack_tensor()); -ENOMEM; -EPIPE when the daemon closed
+ * the connection (replies it sent before are still readable); -EPROTO
+ * once a receive has lost the daemon's stream (see pb_client_recv()):
+ * nothing could read the replies, so nothing is written.
+ *
+ * A failure before the first byte of the request is written leaves the
+ * connection as it was.  One after it (the replies read meanwhile find no
+ * memory, or are not msgpack, or the socket fails) would leave the daemon
+ * reading whatever came next as the rest of the request: the send returns
+ * -EIO instead and the connection is broken.  Nothing more is written, and
+ * every later send and receive on it returns -EIO (replies already queued
+ * included), so close it.  -EPIPE is the exception: the daemon is gone, and
+ * what it sent before stays readable. */
 PB_CLIENT_API int pb_client_send(pb_client_t *c, uint32_t *msgid_out);
 
 /* As pb_client_send(), passing fd to the daemon as SCM_RIGHTS ancillary data
@@ -118,7 +130,8 @@ PB_CLIENT_API msgpack_packer *pb_client_begin_notify(pb_client_t *c, const char 
 PB_CLIENT_API int pb_client_send_notify(pb_client_t *c);
 
 /* Write len raw bytes as they are (tests that send garbage or hand-made
- * messages).  Any begun request is left alone. */
+ * messages).  Any begun request is left alone.  Fails as pb_client_send()
+ * does, -EIO included. */
 PB_CLIENT_API int pb_client_send_raw(pb_client_t *c, const void *buf, size_t len);
 
 /* ---- Replies ---------------------------------------------------------- */
@@ -154,7 +167,8 @@ typedef struct pb_reply {
  * message that is not a msgpack-RPC response (after bytes that are not
  * msgpack the stream cannot be resynchronised, so every later receive gives
  * -EPROTO too), -ENOMEM (nothing is lost: the reply stays unread, and a
- * later receive returns it once there is memory). */
+ * later receive returns it once there is memory), -EIO on a connection a
+ * send has broken (see pb_client_send()). */
 PB_CLIENT_API int pb_client_recv(pb_client_t *c, pb_reply_t *out);
 
 /* As pb_client_recv(), waiting at most timeout_ms (< 0: forever);
