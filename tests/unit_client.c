@@ -501,6 +501,45 @@ static void test_tensor_roundtrip(void **state)
     assert_int_equal(pb_ctensor_itemsize("f16"), 0);
 }
 
+/* PROTOCOL section 2: a str in place of the data bin is the same raw
+ * bytes (clients on the old msgpack spec have no bin). */
+static void test_tensor_str_data(void **state)
+{
+    (void)state;
+    const float v[2] = { 1.5f, -3.0f };
+    for (size_t len = sizeof v; len >= sizeof v - 1; len--) {
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        msgpack_unpacked up;
+        pb_ctensor_t t;
+        float f[2];
+
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_map(&pk, 3);
+        pk_str(&pk, "dtype");
+        pk_str(&pk, "f32");
+        pk_str(&pk, "shape");
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_int(&pk, 2);
+        pk_str(&pk, "data");
+        msgpack_pack_str(&pk, len);
+        msgpack_pack_str_body(&pk, v, len);
+        msgpack_unpacked_init(&up);
+        assert_int_equal(msgpack_unpack_next(&up, sb.data, sb.size, NULL), MSGPACK_UNPACK_SUCCESS);
+        if (len < sizeof v) {
+            assert_int_equal(pb_obj_tensor(&up.data, &t), -EINVAL);
+        } else {
+            assert_int_equal(pb_obj_tensor(&up.data, &t), 0);
+            assert_int_equal(t.nbytes, sizeof v);
+            assert_int_equal(pb_ctensor_copy_f32(&t, f, 2), 0);
+            assert_memory_equal(f, v, sizeof v);
+        }
+        msgpack_unpacked_destroy(&up);
+        msgpack_sbuffer_destroy(&sb);
+    }
+}
+
 /* ---- socket path chain ------------------------------------------------- */
 
 static void test_socket_path(void **state)
@@ -1731,6 +1770,7 @@ int main(void)
         cmocka_unit_test(test_obj_path),
         cmocka_unit_test(test_obj_empty_str),
         cmocka_unit_test(test_tensor_roundtrip),
+        cmocka_unit_test(test_tensor_str_data),
         cmocka_unit_test(test_pack_into),
         cmocka_unit_test(test_socket_path),
         cmocka_unit_test(test_recv_partial),

@@ -1441,9 +1441,14 @@ int pb_obj_tensor(const msgpack_object *o, pb_ctensor_t *out)
 
     const msgpack_object *data = pb_obj_get(o, "data");
     if (data != NULL) {
-        if (data->type != MSGPACK_OBJECT_BIN || data->via.bin.size != nbytes)
+        /* PROTOCOL section 2 takes a str as the same raw bytes: clients on
+         * the old msgpack spec have no bin. */
+        if (data->type == MSGPACK_OBJECT_BIN && data->via.bin.size == nbytes)
+            t.data = data->via.bin.ptr;
+        else if (data->type == MSGPACK_OBJECT_STR && data->via.str.size == nbytes)
+            t.data = data->via.str.ptr;
+        else
             return -EINVAL;
-        t.data = data->via.bin.ptr;
     } else {
         if (pb_obj_uint(pb_obj_get(o, "buffer"), &t.buffer) < 0 ||
             pb_obj_uint(pb_obj_get(o, "offset"), &t.offset) < 0)

@@ -272,7 +272,8 @@ PB_CLIENT_API void pb_pack_tensor(msgpack_packer *pk, const pb_ctensor_t *t);
 
 /* Read a tensor map.  -EINVAL when o is not a tensor as PROTOCOL section 2
  * says: not a map, unknown dtype, shape not an array of uints, rank > 16,
- * order other than "C"/"F", neither data (bin) nor buffer+offset, or a data
+ * order other than "C"/"F", neither data nor buffer+offset, data neither a
+ * bin nor a str (which the protocol takes as the same raw bytes), or a data
  * length other than product(shape) x itemsize.  Other keys are ignored. */
 PB_CLIENT_API int pb_obj_tensor(const msgpack_object *o, pb_ctensor_t *out);
 
