@@ -21,6 +21,7 @@
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "pullbackd.h"
@@ -865,6 +866,34 @@ static void test_recv_malformed(void **state)
     assert_int_equal(drain(peer), 0);
 
     msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
+static long long now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* A receive with a timeout never gives up before the timeout has passed
+ * (it did up to 1 ms early, the rest of a millisecond cut off for poll). */
+static void test_recv_timeout_not_early(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    pb_reply_t r;
+
+    for (int i = 0; i < 20; i++) {
+        int ms = 1 + i % 3;
+        long long t0 = now_ns();
+        assert_int_equal(pb_client_recv_timeout(c, &r, ms), -ETIMEDOUT);
+        long long took = now_ns() - t0;
+        if (took < ms * 1000000LL)
+            fail_msg("a timeout of %d ms returned after %lld ns", ms, took);
+    }
     close(peer);
     pb_client_close(c);
 }
@@ -1777,6 +1806,7 @@ int main(void)
         cmocka_unit_test(test_recv_two_in_one_read),
         cmocka_unit_test(test_unexpected_msgid_queued),
         cmocka_unit_test(test_recv_malformed),
+        cmocka_unit_test(test_recv_timeout_not_early),
         cmocka_unit_test(test_recv_big_in_pieces),
         cmocka_unit_test(test_recv_big_and_small_in_one_read),
         cmocka_unit_test(test_recv_big_reuse),

@@ -160,15 +160,18 @@ static void client_discard(pb_client_t *c)
     c->begun = BEGUN_NONE;
 }
 
-/* Milliseconds left until deadline (CLOCK_MONOTONIC), for poll(). */
+/* Milliseconds left until deadline (CLOCK_MONOTONIC), for poll(): rounded
+ * up, since a poll() cut short by the rounding would time out before the
+ * deadline. */
 static int ms_left(const struct timespec *deadline)
 {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
-    long long ms = (long long)(deadline->tv_sec - now.tv_sec) * 1000 +
-                   (deadline->tv_nsec - now.tv_nsec) / 1000000;
-    if (ms < 0)
+    long long ns = (long long)(deadline->tv_sec - now.tv_sec) * 1000000000LL +
+                   (deadline->tv_nsec - now.tv_nsec);
+    if (ns <= 0)
         return 0;
+    long long ms = (ns + 999999) / 1000000;
     return ms > INT_MAX ? INT_MAX : (int)ms;
 }
 

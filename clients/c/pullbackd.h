@@ -172,7 +172,8 @@ typedef struct pb_reply {
 PB_CLIENT_API int pb_client_recv(pb_client_t *c, pb_reply_t *out);
 
 /* As pb_client_recv(), waiting at most timeout_ms (< 0: forever);
- * -ETIMEDOUT when nothing complete arrived in time. */
+ * -ETIMEDOUT when nothing complete arrived in time, never before timeout_ms
+ * have passed (the wait is rounded up to whole milliseconds). */
 PB_CLIENT_API int pb_client_recv_timeout(pb_client_t *c, pb_reply_t *out, int timeout_ms);
 
 /* Send the begun request and wait for its reply.  Replies to other msgids
