@@ -502,6 +502,41 @@ static void test_tensor_roundtrip(void **state)
     assert_int_equal(pb_ctensor_itemsize("f16"), 0);
 }
 
+/* What the copies refuse, as the header lists it. */
+static void test_copy_refused(void **state)
+{
+    (void)state;
+    const double v[4] = { 1, 2, 3, 4 };
+    double d[4];
+    float f[4];
+    pb_ctensor_t t = { .dtype = "f64", .rank = 2, .shape = { 2, 2 }, .data = v, .nbytes = sizeof v };
+
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), 0);
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 3), -ENOBUFS);
+    assert_int_equal(pb_ctensor_copy_f64(NULL, d, 4), -EINVAL);
+    assert_int_equal(pb_ctensor_copy_f64(&t, NULL, 4), -EINVAL);
+    t.nbytes = sizeof v - 1;
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), -EINVAL);
+    t.nbytes = sizeof v;
+    t.data = NULL;
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), -EINVAL);
+    t.shape[0] = 0; /* nothing to copy: NULL data and out are fine */
+    assert_int_equal(pb_ctensor_copy_f64(&t, NULL, 0), 0);
+    t.data = v;
+    t.shape[0] = 2;
+    t.rank = 17;
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), -EINVAL);
+    t.rank = 2;
+    t.shape[0] = UINT64_MAX;
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), -EINVAL);
+    t.shape[0] = 2;
+    t.dtype = "f16";
+    assert_int_equal(pb_ctensor_copy_f32(&t, f, 4), -EINVAL);
+    t.dtype = "f64";
+    t.shm = true;
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), -EINVAL);
+}
+
 /* PROTOCOL section 2: a str in place of the data bin is the same raw
  * bytes (clients on the old msgpack spec have no bin). */
 static void test_tensor_str_data(void **state)
@@ -1234,6 +1269,83 @@ static void test_recv_enomem_loses_nothing(void **state)
     pb_client_close(c);
 }
 
+/* [1, 1, nil, result] with result `depth` arrays nested in one another,
+ * the innermost empty, or (depth 0) an array of n nils. */
+static void pack_deep(msgpack_sbuffer *sb, int depth, size_t n)
+{
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_nil(&pk);
+    for (int i = 0; i < depth; i++)
+        msgpack_pack_array(&pk, i + 1 < depth ? 1 : 0);
+    if (depth == 0) {
+        msgpack_pack_array(&pk, n);
+        for (size_t i = 0; i < n; i++)
+            msgpack_pack_nil(&pk);
+    }
+}
+
+/* The limits the header states: 32 containers deep, the reply's own array
+ * counting, and some 2^20 objects (exactly: for this shape of reply, 2^20
+ * - 4 nils in the result); past them -EPROTO, and the connection is lost
+ * for receiving and sending. */
+static void test_recv_limits(void **state)
+{
+    (void)state;
+    static const struct {
+        int depth;
+        size_t n;
+        bool ok;
+    } cases[] = {
+        { 31, 0, true },
+        { 32, 0, false },
+        { 0, (1u << 20) - 4, true },
+        { 0, (1u << 20) - 3, false },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int peer;
+        pb_client_t *c = pair_client(&peer);
+        msgpack_sbuffer sb;
+        sb_writer_t w;
+        pb_reply_t r;
+
+        msgpack_sbuffer_init(&sb);
+        pack_ok(&sb, 7, 70);
+        pack_deep(&sb, cases[k].depth, cases[k].n);
+        pack_ok(&sb, 8, 80);
+        /* A refused message is refused at its header, which the first 64
+         * KiB hold: nothing would read the rest. */
+        if (cases[k].ok)
+            write_start(&w, peer, &sb, 0);
+        else
+            write_all(peer, sb.data, sb.size < 65536 ? sb.size : 65536);
+        assert_int_equal(pb_client_recv(c, &r), 0);
+        assert_int_equal(reply_n(&r), 70);
+        pb_reply_free(&r);
+        if (cases[k].ok) {
+            assert_int_equal(pb_client_recv(c, &r), 0);
+            assert_int_equal(r.msgid, 1);
+            pb_reply_free(&r);
+            assert_int_equal(pb_client_recv(c, &r), 0);
+            assert_int_equal(reply_n(&r), 80);
+            pb_reply_free(&r);
+            write_join(&w);
+        } else {
+            assert_int_equal(pb_client_recv(c, &r), -EPROTO);
+            assert_int_equal(pb_client_recv(c, &r), -EPROTO);
+            msgpack_packer *pk = pb_client_begin(c, "hello");
+            msgpack_pack_map(pk, 0);
+            assert_int_equal(pb_client_send(c, NULL), -EPROTO);
+        }
+        close(peer);
+        pb_client_close(c);
+        msgpack_sbuffer_destroy(&sb);
+    }
+}
+
 /* ---- sending ----------------------------------------------------------- */
 
 /* ---- big tensors sent in place ---------------------------------------- */
@@ -1800,6 +1912,7 @@ int main(void)
         cmocka_unit_test(test_obj_empty_str),
         cmocka_unit_test(test_tensor_roundtrip),
         cmocka_unit_test(test_tensor_str_data),
+        cmocka_unit_test(test_copy_refused),
         cmocka_unit_test(test_pack_into),
         cmocka_unit_test(test_socket_path),
         cmocka_unit_test(test_recv_partial),
@@ -1811,6 +1924,7 @@ int main(void)
         cmocka_unit_test(test_recv_big_and_small_in_one_read),
         cmocka_unit_test(test_recv_big_reuse),
         cmocka_unit_test(test_recv_enomem_loses_nothing),
+        cmocka_unit_test(test_recv_limits),
         cmocka_unit_test(test_send_encoding),
         cmocka_unit_test(test_send_in_place),
         cmocka_unit_test(test_send_fd_refused),

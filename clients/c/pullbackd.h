@@ -164,11 +164,18 @@ typedef struct pb_reply {
 
 /* Block for the next reply: the oldest queued one, else the next from the
  * socket.  -EPIPE when the daemon closed the connection, -EPROTO for a
- * message that is not a msgpack-RPC response (after bytes that are not
- * msgpack the stream cannot be resynchronised, so every later receive gives
- * -EPROTO too), -ENOMEM (nothing is lost: the reply stays unread, and a
- * later receive returns it once there is memory), -EIO on a connection a
- * send has broken (see pb_client_send()). */
+ * message that is not a msgpack-RPC response, -ENOMEM (nothing is lost: the
+ * reply stays unread, and a later receive returns it once there is memory),
+ * -EIO on a connection a send has broken (see pb_client_send()).
+ *
+ * Limits: before anything is unpacked, a message is framed by the scan the
+ * daemon uses, which refuses one nested more than 32 containers deep (the
+ * reply's own array and empty containers count) or holding more than about
+ * 2^20 objects (a map's keys and values count one each), as it refuses
+ * bytes that are not msgpack.  After such a message the stream cannot be
+ * resynchronised: the connection is unusable, and every later receive and
+ * send gives -EPROTO (replies queued before are still returned).  A
+ * well-formed message that is no response only gives -EPROTO once. */
 PB_CLIENT_API int pb_client_recv(pb_client_t *c, pb_reply_t *out);
 
 /* As pb_client_recv(), waiting at most timeout_ms (< 0: forever);
@@ -280,8 +287,11 @@ PB_CLIENT_API int pb_obj_tensor(const msgpack_object *o, pb_ctensor_t *out);
 
 /* Copy t's values into out (n slots; a complex value takes two, re then im)
  * in t's memory order, converting f32 <-> f64 as a C cast does (c64 <->
- * c128 likewise).  -EINVAL for an shm tensor or an unknown dtype, -ENOBUFS
- * when n is smaller than the number of slots needed. */
+ * c128 likewise).  -ENOBUFS when n is smaller than the number of slots
+ * needed.  -EINVAL for a NULL or shm tensor, an unknown dtype, a rank
+ * outside 0..16 or a shape whose element count overflows, nbytes smaller
+ * than the shape needs, or, when there are values to copy, NULL data or a
+ * NULL out. */
 PB_CLIENT_API int pb_ctensor_copy_f64(const pb_ctensor_t *t, double *out, size_t n);
 PB_CLIENT_API int pb_ctensor_copy_f32(const pb_ctensor_t *t, float *out, size_t n);
 
