@@ -12,18 +12,49 @@
 #include <cmocka.h>
 
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "pullbackd.h"
 
 /* ---- helpers ----------------------------------------------------------- */
+
+/* Allocations fail on demand: this program links with --wrap=malloc and
+ * --wrap=realloc, so the calls of the client library (and of this file, not
+ * of msgpack-c's shared library) come here.  A malloc of fail_lo bytes or
+ * more and less than fail_hi fails, and so does every realloc while
+ * realloc_fails. */
+static size_t fail_lo, fail_hi;
+static bool realloc_fails;
+void *__real_malloc(size_t n);
+void *__real_realloc(void *p, size_t n);
+void *__wrap_malloc(size_t n);
+void *__wrap_realloc(void *p, size_t n);
+
+void *__wrap_malloc(size_t n)
+{
+    return n >= fail_lo && n < fail_hi ? NULL : __real_malloc(n);
+}
+
+void *__wrap_realloc(void *p, size_t n)
+{
+    return realloc_fails ? NULL : __real_realloc(p, n);
+}
+
+static void malloc_fails(size_t lo, size_t hi)
+{
+    fail_lo = lo;
+    fail_hi = hi;
+}
 
 static void pk_str(msgpack_packer *pk, const char *s)
 {
@@ -108,6 +139,39 @@ static void read_message(int fd, msgpack_unpacker *u, msgpack_unpacked *up)
     }
 }
 
+/* Bytes the client has written that peer can read now. */
+static size_t drain(int peer)
+{
+    char buf[65536];
+    size_t total = 0;
+    ssize_t n;
+    while ((n = recv(peer, buf, sizeof buf, MSG_DONTWAIT)) > 0)
+        total += (size_t)n;
+    assert_true(n == 0 || errno == EAGAIN || errno == EWOULDBLOCK);
+    return total;
+}
+
+/* c still works and sent nothing since the last message peer read: a
+ * hello sent now is the next message there. */
+static void hello_is_next(pb_client_t *c, int peer)
+{
+    msgpack_unpacker u;
+    msgpack_unpacked up;
+    uint32_t id = 0;
+
+    msgpack_packer *pk = pb_client_begin(c, "hello");
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_send(c, &id), 0);
+    assert_true(msgpack_unpacker_init(&u, 4096));
+    msgpack_unpacked_init(&up);
+    read_message(peer, &u, &up);
+    assert_int_equal(up.data.type, MSGPACK_OBJECT_ARRAY);
+    assert_int_equal(up.data.via.array.size, 4);
+    assert_int_equal(pb_obj_strcmp(&up.data.via.array.ptr[2], "hello"), 0);
+    msgpack_unpacked_destroy(&up);
+    msgpack_unpacker_destroy(&u);
+}
+
 /* ---- object helpers ---------------------------------------------------- */
 
 static void test_obj_path(void **state)
@@ -187,6 +251,27 @@ static void test_obj_path(void **state)
 
     msgpack_unpacked_destroy(&up);
     msgpack_sbuffer_destroy(&sb);
+}
+
+/* An empty str: msgpack-c unpacks it with a NULL ptr, which must not reach
+ * memcmp (UBSan's nonnull check catches it under build-asan). */
+static void test_obj_empty_str(void **state)
+{
+    (void)state;
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    assert_int_equal(msgpack_unpack_next(&up, "\xa0", 1, NULL), MSGPACK_UNPACK_SUCCESS);
+    assert_int_equal(up.data.type, MSGPACK_OBJECT_STR);
+    assert_int_equal(pb_obj_strcmp(&up.data, ""), 0);
+    assert_true(pb_obj_strcmp(&up.data, "abc") < 0);
+
+    msgpack_object o = { .type = MSGPACK_OBJECT_STR, .via.str = { .size = 0, .ptr = NULL } };
+    assert_int_equal(pb_obj_strcmp(&o, ""), 0);
+    assert_true(pb_obj_strcmp(&o, "x") < 0);
+    msgpack_object_kv kv = { o, o };
+    msgpack_object m = { .type = MSGPACK_OBJECT_MAP, .via.map = { .size = 1, .ptr = &kv } };
+    assert_ptr_equal(pb_obj_get(&m, ""), &kv.val);
+    msgpack_unpacked_destroy(&up);
 }
 
 /* ---- tensors ----------------------------------------------------------- */
@@ -415,6 +500,80 @@ static void test_tensor_roundtrip(void **state)
     }
     assert_int_equal(pb_ctensor_itemsize("c128"), 16);
     assert_int_equal(pb_ctensor_itemsize("f16"), 0);
+}
+
+/* What the copies refuse, as the header lists it. */
+static void test_copy_refused(void **state)
+{
+    (void)state;
+    const double v[4] = { 1, 2, 3, 4 };
+    double d[4];
+    float f[4];
+    pb_ctensor_t t = { .dtype = "f64", .rank = 2, .shape = { 2, 2 }, .data = v, .nbytes = sizeof v };
+
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), 0);
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 3), -ENOBUFS);
+    assert_int_equal(pb_ctensor_copy_f64(NULL, d, 4), -EINVAL);
+    assert_int_equal(pb_ctensor_copy_f64(&t, NULL, 4), -EINVAL);
+    t.nbytes = sizeof v - 1;
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), -EINVAL);
+    t.nbytes = sizeof v;
+    t.data = NULL;
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), -EINVAL);
+    t.shape[0] = 0; /* nothing to copy: NULL data and out are fine */
+    assert_int_equal(pb_ctensor_copy_f64(&t, NULL, 0), 0);
+    t.data = v;
+    t.shape[0] = 2;
+    t.rank = 17;
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), -EINVAL);
+    t.rank = 2;
+    t.shape[0] = UINT64_MAX;
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), -EINVAL);
+    t.shape[0] = 2;
+    t.dtype = "f16";
+    assert_int_equal(pb_ctensor_copy_f32(&t, f, 4), -EINVAL);
+    t.dtype = "f64";
+    t.shm = true;
+    assert_int_equal(pb_ctensor_copy_f64(&t, d, 4), -EINVAL);
+}
+
+/* PROTOCOL section 2: a str in place of the data bin is the same raw
+ * bytes (clients on the old msgpack spec have no bin). */
+static void test_tensor_str_data(void **state)
+{
+    (void)state;
+    const float v[2] = { 1.5f, -3.0f };
+    for (size_t len = sizeof v; len >= sizeof v - 1; len--) {
+        msgpack_sbuffer sb;
+        msgpack_packer pk;
+        msgpack_unpacked up;
+        pb_ctensor_t t;
+        float f[2];
+
+        msgpack_sbuffer_init(&sb);
+        msgpack_packer_init(&pk, &sb, msgpack_sbuffer_write);
+        msgpack_pack_map(&pk, 3);
+        pk_str(&pk, "dtype");
+        pk_str(&pk, "f32");
+        pk_str(&pk, "shape");
+        msgpack_pack_array(&pk, 1);
+        msgpack_pack_int(&pk, 2);
+        pk_str(&pk, "data");
+        msgpack_pack_str(&pk, len);
+        msgpack_pack_str_body(&pk, v, len);
+        msgpack_unpacked_init(&up);
+        assert_int_equal(msgpack_unpack_next(&up, sb.data, sb.size, NULL), MSGPACK_UNPACK_SUCCESS);
+        if (len < sizeof v) {
+            assert_int_equal(pb_obj_tensor(&up.data, &t), -EINVAL);
+        } else {
+            assert_int_equal(pb_obj_tensor(&up.data, &t), 0);
+            assert_int_equal(t.nbytes, sizeof v);
+            assert_int_equal(pb_ctensor_copy_f32(&t, f, 2), 0);
+            assert_memory_equal(f, v, sizeof v);
+        }
+        msgpack_unpacked_destroy(&up);
+        msgpack_sbuffer_destroy(&sb);
+    }
 }
 
 /* ---- socket path chain ------------------------------------------------- */
@@ -735,8 +894,41 @@ static void test_recv_malformed(void **state)
     write_all(peer, sb.data, sb.size);
     assert_int_equal(pb_client_recv(c, &r), -EPROTO);
     assert_int_equal(pb_client_recv(c, &r), -EPROTO);
+    /* Nothing is sent either: no reply could be read. */
+    msgpack_packer *hp = pb_client_begin(c, "hello");
+    msgpack_pack_map(hp, 0);
+    assert_int_equal(pb_client_send(c, NULL), -EPROTO);
+    assert_int_equal(drain(peer), 0);
 
     msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
+static long long now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* A receive with a timeout never gives up before the timeout has passed
+ * (it did up to 1 ms early, the rest of a millisecond cut off for poll). */
+static void test_recv_timeout_not_early(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    pb_reply_t r;
+
+    for (int i = 0; i < 20; i++) {
+        int ms = 1 + i % 3;
+        long long t0 = now_ns();
+        assert_int_equal(pb_client_recv_timeout(c, &r, ms), -ETIMEDOUT);
+        long long took = now_ns() - t0;
+        if (took < ms * 1000000LL)
+            fail_msg("a timeout of %d ms returned after %lld ns", ms, took);
+    }
     close(peer);
     pb_client_close(c);
 }
@@ -1010,6 +1202,150 @@ static void test_recv_big_reuse(void **state)
     pb_reply_free(&kept);
 }
 
+/* Running out of memory while receiving loses nothing and breaks nothing:
+ * the receive says -ENOMEM, and once memory is back the same replies come,
+ * whole.  Where it can happen: a big reply's own buffer, the small buffer
+ * the bytes after a big reply go back to, a slot in the reply queue. */
+static void test_recv_enomem_loses_nothing(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    msgpack_sbuffer sb;
+    sb_writer_t w;
+    pb_reply_t r, a, b;
+    const size_t len = 2u << 20;
+
+    /* A big reply's buffer. */
+    msgpack_sbuffer_init(&sb);
+    pack_bins(&sb, 1, 1, len, 5);
+    write_start(&w, peer, &sb, 0);
+    malloc_fails(1u << 20, SIZE_MAX);
+    assert_int_equal(pb_client_recv_timeout(c, &r, 5000), -ENOMEM);
+    assert_int_equal(pb_client_recv_timeout(c, &r, 0), -ENOMEM);
+    malloc_fails(0, 0);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    check_bins(&r, 1, 1, len, 5);
+    pb_reply_free(&r);
+    write_join(&w);
+
+    /* The small buffer after a big reply, while a reply kept (a) holds the
+     * old one. */
+    sb.size = 0;
+    pack_ok(&sb, 2, 20);
+    pack_bins(&sb, 3, 1, len, 6);
+    pack_ok(&sb, 4, 40);
+    write_start(&w, peer, &sb, 0);
+    assert_int_equal(pb_client_recv(c, &a), 0);
+    assert_int_equal(reply_n(&a), 20);
+    malloc_fails(64u << 10, 1u << 20);
+    assert_int_equal(pb_client_recv(c, &b), 0);
+    malloc_fails(0, 0);
+    check_bins(&b, 3, 1, len, 6);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_int_equal(reply_n(&r), 40);
+    pb_reply_free(&r);
+    pb_reply_free(&b);
+    pb_reply_free(&a);
+    write_join(&w);
+
+    /* A queue slot for a reply read while waiting for another. */
+    sb.size = 0;
+    pack_ok(&sb, 6, 60);
+    pack_ok(&sb, 5, 50);
+    write_all(peer, sb.data, sb.size);
+    realloc_fails = true;
+    assert_int_equal(pb_client_wait(c, 5, &r), -ENOMEM);
+    realloc_fails = false;
+    assert_int_equal(pb_client_wait(c, 5, &r), 0);
+    assert_int_equal(reply_n(&r), 50);
+    pb_reply_free(&r);
+    assert_int_equal(pb_client_recv_timeout(c, &r, 2000), 0);
+    assert_int_equal(reply_n(&r), 60);
+    pb_reply_free(&r);
+
+    msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
+/* [1, 1, nil, result] with result `depth` arrays nested in one another,
+ * the innermost empty, or (depth 0) an array of n nils. */
+static void pack_deep(msgpack_sbuffer *sb, int depth, size_t n)
+{
+    msgpack_packer pk;
+    msgpack_packer_init(&pk, sb, msgpack_sbuffer_write);
+    msgpack_pack_array(&pk, 4);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_int(&pk, 1);
+    msgpack_pack_nil(&pk);
+    for (int i = 0; i < depth; i++)
+        msgpack_pack_array(&pk, i + 1 < depth ? 1 : 0);
+    if (depth == 0) {
+        msgpack_pack_array(&pk, n);
+        for (size_t i = 0; i < n; i++)
+            msgpack_pack_nil(&pk);
+    }
+}
+
+/* The limits the header states: 32 containers deep, the reply's own array
+ * counting, and some 2^20 objects (exactly: for this shape of reply, 2^20
+ * - 4 nils in the result); past them -EPROTO, and the connection is lost
+ * for receiving and sending. */
+static void test_recv_limits(void **state)
+{
+    (void)state;
+    static const struct {
+        int depth;
+        size_t n;
+        bool ok;
+    } cases[] = {
+        { 31, 0, true },
+        { 32, 0, false },
+        { 0, (1u << 20) - 4, true },
+        { 0, (1u << 20) - 3, false },
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        int peer;
+        pb_client_t *c = pair_client(&peer);
+        msgpack_sbuffer sb;
+        sb_writer_t w;
+        pb_reply_t r;
+
+        msgpack_sbuffer_init(&sb);
+        pack_ok(&sb, 7, 70);
+        pack_deep(&sb, cases[k].depth, cases[k].n);
+        pack_ok(&sb, 8, 80);
+        /* A refused message is refused at its header, which the first 64
+         * KiB hold: nothing would read the rest. */
+        if (cases[k].ok)
+            write_start(&w, peer, &sb, 0);
+        else
+            write_all(peer, sb.data, sb.size < 65536 ? sb.size : 65536);
+        assert_int_equal(pb_client_recv(c, &r), 0);
+        assert_int_equal(reply_n(&r), 70);
+        pb_reply_free(&r);
+        if (cases[k].ok) {
+            assert_int_equal(pb_client_recv(c, &r), 0);
+            assert_int_equal(r.msgid, 1);
+            pb_reply_free(&r);
+            assert_int_equal(pb_client_recv(c, &r), 0);
+            assert_int_equal(reply_n(&r), 80);
+            pb_reply_free(&r);
+            write_join(&w);
+        } else {
+            assert_int_equal(pb_client_recv(c, &r), -EPROTO);
+            assert_int_equal(pb_client_recv(c, &r), -EPROTO);
+            msgpack_packer *pk = pb_client_begin(c, "hello");
+            msgpack_pack_map(pk, 0);
+            assert_int_equal(pb_client_send(c, NULL), -EPROTO);
+        }
+        close(peer);
+        pb_client_close(c);
+        msgpack_sbuffer_destroy(&sb);
+    }
+}
+
 /* ---- sending ----------------------------------------------------------- */
 
 /* ---- big tensors sent in place ---------------------------------------- */
@@ -1249,6 +1585,259 @@ static void test_send_encoding(void **state)
     pb_client_close(c);
 }
 
+/* A packer that keeps the bytes it is given, except a body of 1 MiB or
+ * more, which it only notes (never reading it). */
+typedef struct {
+    msgpack_sbuffer sb;
+    size_t big;
+} skim_t;
+
+static int skim_write(void *data, const char *buf, size_t len)
+{
+    skim_t *k = data;
+    if (len >= (1u << 20)) {
+        k->big += len;
+        return 0;
+    }
+    return msgpack_sbuffer_write(&k->sb, buf, len);
+}
+
+/* Tensor data of 4 GiB or more cannot be told in a bin32 header: refused,
+ * never cut to 32 bits with all the bytes following.  The data is a sparse
+ * mapping that nothing should read. */
+static void test_pack_4gib(void **state)
+{
+    (void)state;
+#if SIZE_MAX > UINT32_MAX
+    const size_t huge = (size_t)1 << 32;
+    void *p = mmap(NULL, huge, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    assert_true(p != MAP_FAILED);
+    pb_ctensor_t t = { .dtype = "f32", .rank = 1, .shape = { huge / 4 }, .data = p, .nbytes = huge };
+
+    /* Another packer: nil in place of the data, the map still whole. */
+    skim_t k = { .big = 0 };
+    msgpack_packer pk;
+    msgpack_sbuffer_init(&k.sb);
+    msgpack_packer_init(&pk, &k, skim_write);
+    pb_pack_tensor(&pk, &t);
+    assert_int_equal(k.big, 0);
+    msgpack_unpacked up;
+    msgpack_unpacked_init(&up);
+    size_t off = 0;
+    assert_int_equal(msgpack_unpack_next(&up, k.sb.data, k.sb.size, &off), MSGPACK_UNPACK_SUCCESS);
+    assert_int_equal(off, k.sb.size);
+    assert_int_equal(pb_obj_get(&up.data, "data")->type, MSGPACK_OBJECT_NIL);
+    msgpack_unpacked_destroy(&up);
+
+    /* One byte less still fits. */
+    k.sb.size = 0;
+    t.nbytes = huge - 1;
+    pb_pack_tensor(&pk, &t);
+    assert_int_equal(k.big, huge - 1);
+    assert_true(k.sb.size >= 5);
+    assert_memory_equal(k.sb.data + k.sb.size - 5, "\xc6\xff\xff\xff\xff", 5);
+    msgpack_sbuffer_destroy(&k.sb);
+
+    /* A client's request: -EMSGSIZE at send, nothing written, and the
+     * connection goes on. */
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    uint32_t id = 0;
+    t.nbytes = huge;
+    msgpack_packer *cpk = pb_client_begin(c, "forward");
+    msgpack_pack_map(cpk, 1);
+    pb_pack_str(cpk, "A");
+    pb_pack_tensor(cpk, &t);
+    assert_int_equal(pb_client_send(c, &id), -EMSGSIZE);
+    hello_is_next(c, peer);
+    close(peer);
+    pb_client_close(c);
+    munmap(p, huge);
+#else
+    skip();
+#endif
+}
+
+/* A negative fd is refused, and the begun request goes with it as with any
+ * failing send: nothing is sent later without its fd. */
+static void test_send_fd_refused(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    uint32_t id = 0;
+
+    msgpack_packer *pk = pb_client_begin(c, "register_buffer");
+    msgpack_pack_map(pk, 1);
+    pb_pack_str(pk, "size");
+    msgpack_pack_uint32(pk, 4096);
+    assert_int_equal(pb_client_send_with_fd(c, -1, &id), -EBADF);
+    assert_int_equal(id, 0);
+    assert_int_equal(pb_client_send(c, &id), -EINVAL); /* nothing begun */
+    assert_int_equal(pb_client_send_with_fd(NULL, -1, &id), -EBADF);
+    hello_is_next(c, peer);
+    close(peer);
+    pb_client_close(c);
+}
+
+/* ---- a send that fails part way ----------------------------------------- */
+
+enum { TORN_REQ = 4 << 20 };
+
+/* The daemon's side of a send that fails part way: once the client's first
+ * bytes are there, it writes `what`, then reads nothing until `done` is
+ * readable.  Should the client hang (it did when it stopped reading), it
+ * reads the request after a while, so that the send returns and the test
+ * fails instead of hanging. */
+typedef struct {
+    int peer, done;
+    const msgpack_sbuffer *what;
+    pthread_t th;
+} interject_t;
+
+static void *interject(void *arg)
+{
+    interject_t *t = arg;
+    struct pollfd pfd = { .fd = t->peer, .events = POLLIN };
+    if (poll(&pfd, 1, 10000) != 1)
+        return NULL;
+    write_all(t->peer, t->what->data, t->what->size);
+    pfd = (struct pollfd){ .fd = t->done, .events = POLLIN };
+    if (poll(&pfd, 1, 3000) == 1)
+        return NULL;
+    char buf[65536];
+    ssize_t n;
+    for (size_t total = 0; total < TORN_REQ && (n = read(t->peer, buf, sizeof buf)) > 0;)
+        total += (size_t)n;
+    return NULL;
+}
+
+/* Send a request of a TORN_REQ-byte tensor while peer writes `what` after
+ * the first bytes; the send's result. */
+static int send_interjected(pb_client_t *c, int peer, const msgpack_sbuffer *what)
+{
+    int done[2];
+    assert_int_equal(pipe(done), 0);
+    interject_t t = { .peer = peer, .done = done[0], .what = what };
+    char *big = calloc(1, TORN_REQ);
+    assert_non_null(big);
+    pb_ctensor_t x = { .dtype = "f64", .rank = 1, .shape = { TORN_REQ / 8 }, .data = big, .nbytes = TORN_REQ };
+    msgpack_packer *pk = pb_client_begin(c, "forward");
+    msgpack_pack_map(pk, 1);
+    pb_pack_str(pk, "x");
+    pb_pack_tensor(pk, &x);
+    assert_int_equal(pthread_create(&t.th, NULL, interject, &t), 0);
+    int rc = pb_client_send(c, NULL);
+    write_all(done[1], "", 1);
+    assert_int_equal(pthread_join(t.th, NULL), 0);
+    close(done[0]);
+    close(done[1]);
+    free(big);
+    return rc;
+}
+
+/* A send fails after part of its request is out: when the replies read
+ * meanwhile find no memory, and when the daemon sends bytes that are not
+ * msgpack (the client then stopped reading and kept writing, which could
+ * block forever).  The send says -EIO; nothing more is written, and every
+ * later send and receive says -EIO, a reply queued before included. */
+static void test_send_torn(void **state)
+{
+    (void)state;
+    for (int junk = 0; junk < 2; junk++) {
+        int peer;
+        pb_client_t *c = pair_client(&peer);
+        msgpack_sbuffer what;
+        msgpack_packer pk;
+        pb_reply_t r;
+        uint32_t id;
+
+        /* A small reply, then the start of one of 2 MiB (more than the
+         * small buffer: the client needs the big one to read on), or junk. */
+        msgpack_sbuffer_init(&what);
+        msgpack_packer_init(&pk, &what, msgpack_sbuffer_write);
+        pack_ok(&what, 1, 10);
+        if (junk) {
+            msgpack_sbuffer_write(&what, "\xc1", 1);
+        } else {
+            msgpack_pack_array(&pk, 4);
+            msgpack_pack_int(&pk, 1);
+            msgpack_pack_int(&pk, 2);
+            msgpack_pack_nil(&pk);
+            msgpack_pack_bin(&pk, 2u << 20);
+            char *part = calloc(1, 100000);
+            assert_non_null(part);
+            msgpack_pack_bin_body(&pk, part, 100000);
+            free(part);
+            malloc_fails(1u << 20, SIZE_MAX);
+        }
+        int rc = send_interjected(c, peer, &what);
+        malloc_fails(0, 0);
+        assert_int_equal(rc, -EIO);
+        size_t got = drain(peer);
+        assert_true(got > 0 && got < TORN_REQ);
+
+        msgpack_packer *hp = pb_client_begin(c, "hello");
+        msgpack_pack_map(hp, 0);
+        assert_int_equal(pb_client_send(c, &id), -EIO);
+        hp = pb_client_begin_notify(c, "hello");
+        msgpack_pack_map(hp, 0);
+        assert_int_equal(pb_client_send_notify(c), -EIO);
+        assert_int_equal(pb_client_send_raw(c, "\x90", 1), -EIO);
+        hp = pb_client_begin(c, "hello");
+        msgpack_pack_map(hp, 0);
+        assert_int_equal(pb_client_call(c, &r), -EIO);
+        assert_false(pb_client_pending(c));
+        assert_int_equal(pb_client_recv(c, &r), -EIO);
+        assert_int_equal(pb_client_recv_timeout(c, &r, 0), -EIO);
+        assert_int_equal(pb_client_wait(c, 1, &r), -EIO);
+        assert_int_equal(drain(peer), 0);
+
+        msgpack_sbuffer_destroy(&what);
+        close(peer);
+        pb_client_close(c);
+    }
+}
+
+/* Out of memory before the first byte of a request is out: -ENOMEM, the
+ * request discarded, the connection as it was (the reply being read when
+ * memory ran out comes whole afterwards). */
+static void test_send_enomem_first(void **state)
+{
+    (void)state;
+    int peer;
+    pb_client_t *c = pair_client(&peer);
+    msgpack_sbuffer sb;
+    sb_writer_t w;
+    pb_reply_t r;
+    const size_t len = 2u << 20;
+
+    msgpack_sbuffer_init(&sb);
+    pack_ok(&sb, 1, 10);
+    pack_bins(&sb, 2, 1, len, 9);
+    write_start(&w, peer, &sb, 0);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    assert_int_equal(reply_n(&r), 10);
+    pb_reply_free(&r);
+    /* The big reply waits in the socket: the send reads it first. */
+    malloc_fails(1u << 20, SIZE_MAX);
+    msgpack_packer *pk = pb_client_begin(c, "release");
+    msgpack_pack_map(pk, 0);
+    assert_int_equal(pb_client_send(c, NULL), -ENOMEM);
+    malloc_fails(0, 0);
+    assert_int_equal(drain(peer), 0);
+    assert_int_equal(pb_client_send(c, NULL), -EINVAL); /* discarded */
+    hello_is_next(c, peer);
+    assert_int_equal(pb_client_recv(c, &r), 0);
+    check_bins(&r, 2, 1, len, 9);
+    pb_reply_free(&r);
+    write_join(&w);
+
+    msgpack_sbuffer_destroy(&sb);
+    close(peer);
+    pb_client_close(c);
+}
+
 /* A client that pipelines a big request while the daemon is busy writing
  * big replies must not deadlock: the peer writes all its replies before it
  * reads a byte. */
@@ -1320,18 +1909,28 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_obj_path),
+        cmocka_unit_test(test_obj_empty_str),
         cmocka_unit_test(test_tensor_roundtrip),
+        cmocka_unit_test(test_tensor_str_data),
+        cmocka_unit_test(test_copy_refused),
         cmocka_unit_test(test_pack_into),
         cmocka_unit_test(test_socket_path),
         cmocka_unit_test(test_recv_partial),
         cmocka_unit_test(test_recv_two_in_one_read),
         cmocka_unit_test(test_unexpected_msgid_queued),
         cmocka_unit_test(test_recv_malformed),
+        cmocka_unit_test(test_recv_timeout_not_early),
         cmocka_unit_test(test_recv_big_in_pieces),
         cmocka_unit_test(test_recv_big_and_small_in_one_read),
         cmocka_unit_test(test_recv_big_reuse),
+        cmocka_unit_test(test_recv_enomem_loses_nothing),
+        cmocka_unit_test(test_recv_limits),
         cmocka_unit_test(test_send_encoding),
         cmocka_unit_test(test_send_in_place),
+        cmocka_unit_test(test_send_fd_refused),
+        cmocka_unit_test(test_pack_4gib),
+        cmocka_unit_test(test_send_torn),
+        cmocka_unit_test(test_send_enomem_first),
         cmocka_unit_test(test_pipeline_no_deadlock),
         cmocka_unit_test(test_closed_with_reason),
     };

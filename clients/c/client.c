@@ -118,7 +118,14 @@ struct pb_client {
     unsigned grown_next;
     size_t first_need;   /* of the big message being read */
     bool eof;            /* the daemon closed its end */
-    int broken;          /* sticky receive error (-EPROTO, -ENOMEM) or 0 */
+    int broken;          /* -EPROTO once the stream from the daemon is lost
+                            for good, else 0.  Running out of memory is not
+                            sticky: it consumes nothing, and the receive
+                            after tries again. */
+    bool torn;           /* a write failed after part of its message was
+                            out: the daemon would read what follows as the
+                            rest of it, so nothing more is written and every
+                            send and receive returns -EIO */
 
     pb_reply_t *queue;   /* FIFO of replies read but not yet returned */
     size_t qlen, qcap;
@@ -153,15 +160,18 @@ static void client_discard(pb_client_t *c)
     c->begun = BEGUN_NONE;
 }
 
-/* Milliseconds left until deadline (CLOCK_MONOTONIC), for poll(). */
+/* Milliseconds left until deadline (CLOCK_MONOTONIC), for poll(): rounded
+ * up, since a poll() cut short by the rounding would time out before the
+ * deadline. */
 static int ms_left(const struct timespec *deadline)
 {
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
-    long long ms = (long long)(deadline->tv_sec - now.tv_sec) * 1000 +
-                   (deadline->tv_nsec - now.tv_nsec) / 1000000;
-    if (ms < 0)
+    long long ns = (long long)(deadline->tv_sec - now.tv_sec) * 1000000000LL +
+                   (deadline->tv_nsec - now.tv_nsec);
+    if (ns <= 0)
         return 0;
+    long long ms = (ns + 999999) / 1000000;
     return ms > INT_MAX ? INT_MAX : (int)ms;
 }
 
@@ -488,17 +498,23 @@ static int client_room(pb_client_t *c, size_t *stop)
 }
 
 /* A big message has been framed in rb: what follows it goes back to the
- * small buffer (a new one when a reply still points into the old one). */
-static int client_leave_big(pb_client_t *c, size_t len)
+ * small buffer (a new one when a reply still points into the old one).
+ * Without memory for a new one, what follows stays in rb, which serves as
+ * a big buffer does, and the move is tried again after the next message:
+ * the message just framed is not lost for it. */
+static void client_leave_big(pb_client_t *c, size_t len)
 {
     size_t rest = c->rend - c->rpos;
     client_rbuf_t *s = c->small;
 
-    client_grown_note(c, c->first_need, len + CLIENT_SLACK);
+    if (c->first_need != 0) {
+        client_grown_note(c, c->first_need, len + CLIENT_SLACK);
+        c->first_need = 0;
+    }
     if (!rbuf_alone(s) || rest > s->cap) {
         s = rbuf_new(rest > CLIENT_READ_CHUNK ? rest : CLIENT_READ_CHUNK);
         if (s == NULL)
-            return -ENOMEM;
+            return;
         rbuf_put(c->small);
         c->small = s;
     }
@@ -507,7 +523,6 @@ static int client_leave_big(pb_client_t *c, size_t len)
     c->rb = s;
     c->rpos = 0;
     c->rend = rest;
-    return 0;
 }
 
 /* One recv() into the receive buffer.  1 when bytes came, 0 at end of
@@ -516,10 +531,8 @@ static int client_fill(pb_client_t *c)
 {
     size_t stop;
     int rc = client_room(c, &stop);
-    if (rc < 0) {
-        c->broken = rc;
+    if (rc < 0)
         return rc;
-    }
     for (;;) {
         ssize_t r = recv(c->fd, c->rb->data + c->rend, stop - c->rend, MSG_DONTWAIT);
         if (r > 0) {
@@ -595,7 +608,8 @@ static int reply_take(msgpack_unpacked *up, pb_reply_t *out)
 
 /* Frame one message from what has been read.  1 with *out filled, 0 when
  * more bytes are needed, or a negative code.  With leave_bad, a message
- * that is no reply is left unread (0) for a later receive to report. */
+ * that is no reply is left unread (0) for a later receive to report.
+ * -ENOMEM leaves the message unread too. */
 static int client_parse(pb_client_t *c, pb_reply_t *out, bool leave_bad)
 {
     msgpack_unpacked up;
@@ -614,23 +628,24 @@ static int client_parse(pb_client_t *c, pb_reply_t *out, bool leave_bad)
     msgpack_unpacked_init(&up);
     switch (msgpack_unpack_next(&up, c->rb->data + c->rpos, len, &off)) {
     case MSGPACK_UNPACK_SUCCESS:
+        rc = reply_take(&up, &r);
         break;
     case MSGPACK_UNPACK_NOMEM_ERROR:
-        c->broken = -ENOMEM;
-        return -ENOMEM;
+        rc = -ENOMEM;
+        break;
     default:
-        c->broken = -EPROTO;
-        return -EPROTO;
+        c->broken = rc = -EPROTO;
+        break;
     }
-    rc = reply_take(&up, &r);
     msgpack_unpacked_destroy(&up);
+    if (rc == -ENOMEM || c->broken < 0)
+        return rc;
     if (rc < 0 && leave_bad)
         return 0;
     /* The reply's payloads point into rb: its zone keeps rb alive. */
     if (rc == 0) {
         if (!msgpack_zone_push_finalizer(r.up.zone, rbuf_release, c->rb)) {
             pb_reply_free(&r);
-            c->broken = -ENOMEM;
             return -ENOMEM;
         }
         rbuf_get(c->rb);
@@ -640,15 +655,8 @@ static int client_parse(pb_client_t *c, pb_reply_t *out, bool leave_bad)
     c->rpos += len;
     c->framed = 0;
     pb_scan_reset(&c->scan);
-    if (c->rb != c->small) {
-        int lrc = client_leave_big(c, len);
-        if (lrc < 0) {
-            if (rc == 0)
-                pb_reply_free(&r);
-            c->broken = lrc;
-            return lrc;
-        }
-    }
+    if (c->rb != c->small)
+        client_leave_big(c, len);
     if (rc < 0)
         return rc;
     *out = r;
@@ -695,18 +703,26 @@ static int client_read_reply(pb_client_t *c, pb_reply_t *out, int timeout_ms)
     }
 }
 
-static int queue_push(pb_client_t *c, pb_reply_t *r)
+/* Room for one more queued reply, made before a reply that may be queued
+ * is read: one read and then dropped for want of a slot would leave its
+ * caller waiting for it forever. */
+static int queue_reserve(pb_client_t *c)
 {
-    if (c->qlen == c->qcap) {
-        size_t ncap = c->qcap ? c->qcap * 2 : 8;
-        pb_reply_t *q = realloc(c->queue, ncap * sizeof *q);
-        if (q == NULL)
-            return -ENOMEM;
-        c->queue = q;
-        c->qcap = ncap;
-    }
-    c->queue[c->qlen++] = *r;
+    if (c->qlen < c->qcap)
+        return 0;
+    size_t ncap = c->qcap ? c->qcap * 2 : 8;
+    pb_reply_t *q = realloc(c->queue, ncap * sizeof *q);
+    if (q == NULL)
+        return -ENOMEM;
+    c->queue = q;
+    c->qcap = ncap;
     return 0;
+}
+
+/* After queue_reserve. */
+static void queue_push(pb_client_t *c, const pb_reply_t *r)
+{
+    c->queue[c->qlen++] = *r;
 }
 
 static void queue_take(pb_client_t *c, size_t i, pb_reply_t *out)
@@ -720,6 +736,8 @@ int pb_client_recv_timeout(pb_client_t *c, pb_reply_t *out, int timeout_ms)
 {
     if (c == NULL || out == NULL)
         return -EINVAL;
+    if (c->torn)
+        return -EIO;
     if (c->qlen > 0) {
         queue_take(c, 0, out);
         return 0;
@@ -733,26 +751,25 @@ int pb_client_recv(pb_client_t *c, pb_reply_t *out)
 }
 
 /* Frame the replies that lie complete in what has been read and queue
- * them (0, or -ENOMEM).  A message that is no reply stops it, left in place
- * for the receive that reaches it to report. */
+ * them: 0, or -ENOMEM, or -EPROTO when the stream is lost.  A message that
+ * is no reply stops it, left in place for the receive that reaches it to
+ * report. */
 static int client_queue_framed(pb_client_t *c)
 {
     for (;;) {
         pb_reply_t r;
-        int rc = client_parse(c, &r, true);
+        int rc = queue_reserve(c);
+        if (rc == 0)
+            rc = client_parse(c, &r, true);
         if (rc <= 0)
-            return rc == -ENOMEM ? rc : 0;
-        rc = queue_push(c, &r);
-        if (rc < 0) {
-            pb_reply_free(&r);
             return rc;
-        }
+        queue_push(c, &r);
     }
 }
 
 bool pb_client_pending(pb_client_t *c)
 {
-    if (c == NULL)
+    if (c == NULL || c->torn)
         return false;
     if (c->qlen == 0)
         client_queue_framed(c);
@@ -767,11 +784,8 @@ bool pb_client_pending(pb_client_t *c)
 static int closed_reply(pb_client_t *c, pb_reply_t *out)
 {
     pb_reply_t r;
-    while (client_read_reply(c, &r, 0) == 0)
-        if (queue_push(c, &r) < 0) {
-            pb_reply_free(&r);
-            break;
-        }
+    while (queue_reserve(c) == 0 && client_read_reply(c, &r, 0) == 0)
+        queue_push(c, &r);
     for (size_t i = 0; i < c->qlen; i++)
         if (c->queue[i].msgid == 0 && c->queue[i].error != NULL) {
             queue_take(c, i, out);
@@ -784,6 +798,8 @@ int pb_client_wait(pb_client_t *c, uint32_t msgid, pb_reply_t *out)
 {
     if (c == NULL || out == NULL)
         return -EINVAL;
+    if (c->torn)
+        return -EIO;
     for (size_t i = 0; i < c->qlen; i++) {
         if (c->queue[i].msgid == msgid) {
             queue_take(c, i, out);
@@ -792,7 +808,9 @@ int pb_client_wait(pb_client_t *c, uint32_t msgid, pb_reply_t *out)
     }
     for (;;) {
         pb_reply_t r;
-        int rc = client_read_reply(c, &r, -1);
+        int rc = queue_reserve(c);
+        if (rc == 0)
+            rc = client_read_reply(c, &r, -1);
         if (rc == -EPIPE)
             return closed_reply(c, out);
         if (rc < 0)
@@ -801,11 +819,7 @@ int pb_client_wait(pb_client_t *c, uint32_t msgid, pb_reply_t *out)
             *out = r;
             return 0;
         }
-        rc = queue_push(c, &r);
-        if (rc < 0) {
-            pb_reply_free(&r);
-            return rc;
-        }
+        queue_push(c, &r);
     }
 }
 
@@ -853,15 +867,22 @@ static ssize_t send_iov(int sock, struct iovec *iov, int n, int fd)
     return sendmsg(sock, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
 }
 
-/* Write all bytes of iov[0, niov), reading replies that arrive meanwhile.
- * pass_fd >= 0 rides on the first bytes written.  iov is consumed. */
-static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_fd)
+/* Write all bytes of iov[0, niov), reading replies that arrive meanwhile:
+ * 0, or a negative code with *wrote telling whether any byte went out.
+ * pass_fd >= 0 rides on the first bytes written.  iov is consumed.
+ *
+ * The reading is what keeps a daemon that is blocked on writing its
+ * replies reading our bytes, so when it fails (no memory for a reply, bytes
+ * that are not msgpack) the write stops too rather than wait on a daemon
+ * that may never read again.  An end of stream does not stop it: the
+ * daemon is gone, and the write meets EPIPE. */
+static int client_writev_some(pb_client_t *c, struct iovec *iov, int niov, int pass_fd, bool *wrote)
 {
     while (niov > 0 && iov[0].iov_len == 0)
         iov++, niov--;
     while (niov > 0) {
         struct pollfd pfd = { .fd = c->fd, .events = POLLOUT };
-        if (!c->eof && c->broken == 0)
+        if (!c->eof)
             pfd.events |= POLLIN;
         if (poll(&pfd, 1, -1) < 0) {
             if (errno == EINTR)
@@ -876,10 +897,8 @@ static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_f
             int rc = client_fill(c);
             if (rc == 1)
                 rc = client_queue_framed(c);
-            if (rc == -ENOMEM)
-                return rc;
             if (rc < 0 && rc != -EAGAIN)
-                c->eof = true; /* the write below reports the failure */
+                return rc;
         }
         if (pfd.revents & (POLLOUT | POLLERR | POLLHUP)) {
             ssize_t w = send_iov(c->fd, iov, niov, pass_fd);
@@ -888,6 +907,7 @@ static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_f
                     continue;
                 return errno == ECONNRESET ? -EPIPE : -errno;
             }
+            *wrote = true;
             pass_fd = -1;
             size_t left = (size_t)w;
             while (niov > 0 && left >= iov[0].iov_len) {
@@ -901,6 +921,27 @@ static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_f
         }
     }
     return 0;
+}
+
+/* client_writev_some, for one whole message.  A failure before its first
+ * byte leaves the stream as it was.  One after tears the connection, but
+ * for -EPIPE: the daemon is gone, nothing can follow the part it got, and
+ * what it sent before stays readable.  A stream the client can no longer
+ * read is not written to either (nothing would read the replies). */
+static int client_writev(pb_client_t *c, struct iovec *iov, int niov, int pass_fd)
+{
+    bool wrote = false;
+
+    if (c->torn)
+        return -EIO;
+    if (c->broken < 0)
+        return c->broken;
+    int rc = client_writev_some(c, iov, niov, pass_fd, &wrote);
+    if (rc < 0 && rc != -EPIPE && wrote) {
+        c->torn = true;
+        return -EIO;
+    }
+    return rc;
 }
 
 static int client_write(pb_client_t *c, const char *p, size_t n, int pass_fd)
@@ -1044,8 +1085,12 @@ int pb_client_send(pb_client_t *c, uint32_t *msgid_out)
 
 int pb_client_send_with_fd(pb_client_t *c, int fd, uint32_t *msgid_out)
 {
-    if (fd < 0)
+    if (fd < 0) {
+        /* Refused like any failing send: the request goes too. */
+        if (c != NULL)
+            client_discard(c);
         return -EBADF;
+    }
     return client_send(c, BEGUN_REQUEST, fd, msgid_out);
 }
 
@@ -1203,7 +1248,9 @@ int pb_obj_strcmp(const msgpack_object *o, const char *s)
         return -1;
     size_t n = strlen(s);
     size_t m = o->via.str.size;
-    int r = memcmp(o->via.str.ptr, s, m < n ? m : n);
+    size_t k = m < n ? m : n;
+    /* msgpack-c unpacks "" with a NULL ptr, which memcmp may not see. */
+    int r = k > 0 ? memcmp(o->via.str.ptr, s, k) : 0;
     if (r != 0)
         return r;
     return m < n ? -1 : m > n ? 1 : 0;
@@ -1253,6 +1300,24 @@ size_t pb_ctensor_count(const pb_ctensor_t *t)
     return n;
 }
 
+/* msgpack's str32 and bin32 hold lengths below 2^32, and msgpack-c would
+ * cut a longer one to 32 bits and still write every byte after it.  Such a
+ * payload makes a client's request fail at send (pack_err, which also stops
+ * all that would follow); another packer gets nil in its place, so that the
+ * object around it stays whole. */
+static bool pack_len_ok(msgpack_packer *pk, size_t n)
+{
+    if ((uint64_t)n <= UINT32_MAX)
+        return true;
+    if (pk->callback == client_pack_write) {
+        pb_client_t *c = pk->data;
+        if (c->pack_err == 0)
+            c->pack_err = -EMSGSIZE;
+    }
+    msgpack_pack_nil(pk);
+    return false;
+}
+
 void pb_pack_str(msgpack_packer *pk, const char *s)
 {
     if (s == NULL) {
@@ -1260,6 +1325,8 @@ void pb_pack_str(msgpack_packer *pk, const char *s)
         return;
     }
     size_t n = strlen(s);
+    if (!pack_len_ok(pk, n))
+        return;
     msgpack_pack_str(pk, n);
     msgpack_pack_str_body(pk, s, n);
 }
@@ -1327,6 +1394,8 @@ void pb_pack_tensor(msgpack_packer *pk, const pb_ctensor_t *t)
         /* NULL data packs an empty bin whatever nbytes says. */
         size_t n = t->data != NULL ? t->nbytes : 0;
         pb_pack_str(pk, "data");
+        if (!pack_len_ok(pk, n))
+            return;
         msgpack_pack_bin(pk, n);
         if (n > 0 && !client_defer(pk, t->data, n))
             msgpack_pack_bin_body(pk, t->data, n);
@@ -1375,9 +1444,14 @@ int pb_obj_tensor(const msgpack_object *o, pb_ctensor_t *out)
 
     const msgpack_object *data = pb_obj_get(o, "data");
     if (data != NULL) {
-        if (data->type != MSGPACK_OBJECT_BIN || data->via.bin.size != nbytes)
+        /* PROTOCOL section 2 takes a str as the same raw bytes: clients on
+         * the old msgpack spec have no bin. */
+        if (data->type == MSGPACK_OBJECT_BIN && data->via.bin.size == nbytes)
+            t.data = data->via.bin.ptr;
+        else if (data->type == MSGPACK_OBJECT_STR && data->via.str.size == nbytes)
+            t.data = data->via.str.ptr;
+        else
             return -EINVAL;
-        t.data = data->via.bin.ptr;
     } else {
         if (pb_obj_uint(pb_obj_get(o, "buffer"), &t.buffer) < 0 ||
             pb_obj_uint(pb_obj_get(o, "offset"), &t.offset) < 0)

@@ -83,7 +83,8 @@ PB_CLIENT_API void pb_client_close(pb_client_t *c);
 PB_CLIENT_API int pb_client_fd(const pb_client_t *c);
 
 /* True when a reply can be returned by pb_client_recv() without waiting:
- * one is queued, or bytes already read hold a complete message. */
+ * one is queued, or bytes already read hold a complete message.  False on
+ * a connection a send has broken (see pb_client_send()). */
 PB_CLIENT_API bool pb_client_pending(pb_client_t *c);
 
 /* ---- Requests --------------------------------------------------------- */
@@ -99,15 +100,28 @@ PB_CLIENT_API msgpack_packer *pb_client_begin(pb_client_t *c, const char *method
 /* Write the begun request (blocking until all of it is written; partial
  * writes and EINTR are handled, and replies that arrive meanwhile are read
  * and kept, so a long pipeline cannot deadlock against the daemon's
- * replies).  *msgid_out (may be NULL) gets its msgid.  -EINVAL when nothing
- * was begun or the params are not exactly one map; -ENOMEM; -EPIPE when the
- * daemon closed the connection (replies it sent before are still
- * readable).  The request is discarded either way. */
+ * replies).  *msgid_out (may be NULL) gets its msgid.  The request is
+ * discarded either way.  -EINVAL when nothing was begun or the params are
+ * not exactly one map; -EMSGSIZE when a tensor's data or a str is 4 GiB or
+ * longer (see pb_pack_tensor()); -ENOMEM; -EPIPE when the daemon closed
+ * the connection (replies it sent before are still readable); -EPROTO
+ * once a receive has lost the daemon's stream (see pb_client_recv()):
+ * nothing could read the replies, so nothing is written.
+ *
+ * A failure before the first byte of the request is written leaves the
+ * connection as it was.  One after it (the replies read meanwhile find no
+ * memory, or are not msgpack, or the socket fails) would leave the daemon
+ * reading whatever came next as the rest of the request: the send returns
+ * -EIO instead and the connection is broken.  Nothing more is written, and
+ * every later send and receive on it returns -EIO (replies already queued
+ * included), so close it.  -EPIPE is the exception: the daemon is gone, and
+ * what it sent before stays readable. */
 PB_CLIENT_API int pb_client_send(pb_client_t *c, uint32_t *msgid_out);
 
 /* As pb_client_send(), passing fd to the daemon as SCM_RIGHTS ancillary data
  * on the request's first bytes (register_buffer, PROTOCOL section 6).  The
- * caller keeps its fd. */
+ * caller keeps its fd.  -EBADF for a negative fd (the request is discarded
+ * as by any failing send). */
 PB_CLIENT_API int pb_client_send_with_fd(pb_client_t *c, int fd, uint32_t *msgid_out);
 
 /* Start a notification [2, method, [ ; pack one map, then
@@ -116,7 +130,8 @@ PB_CLIENT_API msgpack_packer *pb_client_begin_notify(pb_client_t *c, const char 
 PB_CLIENT_API int pb_client_send_notify(pb_client_t *c);
 
 /* Write len raw bytes as they are (tests that send garbage or hand-made
- * messages).  Any begun request is left alone. */
+ * messages).  Any begun request is left alone.  Fails as pb_client_send()
+ * does, -EIO included. */
 PB_CLIENT_API int pb_client_send_raw(pb_client_t *c, const void *buf, size_t len);
 
 /* ---- Replies ---------------------------------------------------------- */
@@ -149,13 +164,23 @@ typedef struct pb_reply {
 
 /* Block for the next reply: the oldest queued one, else the next from the
  * socket.  -EPIPE when the daemon closed the connection, -EPROTO for a
- * message that is not a msgpack-RPC response (after bytes that are not
- * msgpack the stream cannot be resynchronised, so every later receive gives
- * -EPROTO too), -ENOMEM. */
+ * message that is not a msgpack-RPC response, -ENOMEM (nothing is lost: the
+ * reply stays unread, and a later receive returns it once there is memory),
+ * -EIO on a connection a send has broken (see pb_client_send()).
+ *
+ * Limits: before anything is unpacked, a message is framed by the scan the
+ * daemon uses, which refuses one nested more than 32 containers deep (the
+ * reply's own array and empty containers count) or holding more than about
+ * 2^20 objects (a map's keys and values count one each), as it refuses
+ * bytes that are not msgpack.  After such a message the stream cannot be
+ * resynchronised: the connection is unusable, and every later receive and
+ * send gives -EPROTO (replies queued before are still returned).  A
+ * well-formed message that is no response only gives -EPROTO once. */
 PB_CLIENT_API int pb_client_recv(pb_client_t *c, pb_reply_t *out);
 
 /* As pb_client_recv(), waiting at most timeout_ms (< 0: forever);
- * -ETIMEDOUT when nothing complete arrived in time. */
+ * -ETIMEDOUT when nothing complete arrived in time, never before timeout_ms
+ * have passed (the wait is rounded up to whole milliseconds). */
 PB_CLIENT_API int pb_client_recv_timeout(pb_client_t *c, pb_reply_t *out, int timeout_ms);
 
 /* Send the begun request and wait for its reply.  Replies to other msgids
@@ -244,6 +269,9 @@ PB_CLIENT_API size_t pb_ctensor_count(const pb_ctensor_t *t);
 
 /* Pack t as a tensor map {dtype, shape, order?, data} (or {dtype, shape,
  * order?, buffer, offset} when t->shm).  Packing failures surface at send.
+ * A msgpack bin holds less than 4 GiB: data of 2^32 bytes or more makes the
+ * send of a client's request fail with -EMSGSIZE (nothing written); packed
+ * with another packer, nil stands in its place.
  * Into a client's request (the packer pb_client_begin() returned), data of
  * 64 KiB and more is not copied: it is sent from t->data itself (sendmsg
  * with an iovec of its own), so it must stay valid and unchanged until
@@ -252,20 +280,25 @@ PB_CLIENT_API void pb_pack_tensor(msgpack_packer *pk, const pb_ctensor_t *t);
 
 /* Read a tensor map.  -EINVAL when o is not a tensor as PROTOCOL section 2
  * says: not a map, unknown dtype, shape not an array of uints, rank > 16,
- * order other than "C"/"F", neither data (bin) nor buffer+offset, or a data
+ * order other than "C"/"F", neither data nor buffer+offset, data neither a
+ * bin nor a str (which the protocol takes as the same raw bytes), or a data
  * length other than product(shape) x itemsize.  Other keys are ignored. */
 PB_CLIENT_API int pb_obj_tensor(const msgpack_object *o, pb_ctensor_t *out);
 
 /* Copy t's values into out (n slots; a complex value takes two, re then im)
  * in t's memory order, converting f32 <-> f64 as a C cast does (c64 <->
- * c128 likewise).  -EINVAL for an shm tensor or an unknown dtype, -ENOBUFS
- * when n is smaller than the number of slots needed. */
+ * c128 likewise).  -ENOBUFS when n is smaller than the number of slots
+ * needed.  -EINVAL for a NULL or shm tensor, an unknown dtype, a rank
+ * outside 0..16 or a shape whose element count overflows, nbytes smaller
+ * than the shape needs, or, when there are values to copy, NULL data or a
+ * NULL out. */
 PB_CLIENT_API int pb_ctensor_copy_f64(const pb_ctensor_t *t, double *out, size_t n);
 PB_CLIENT_API int pb_ctensor_copy_f32(const pb_ctensor_t *t, float *out, size_t n);
 
 /* ---- Packing helpers --------------------------------------------------- */
 
-/* A msgpack str holding s (NULL packs nil). */
+/* A msgpack str holding s (NULL packs nil).  A string of 4 GiB or more is
+ * refused as pb_pack_tensor() refuses such data. */
 PB_CLIENT_API void pb_pack_str(msgpack_packer *pk, const char *s);
 /* One map entry: key and val as str. */
 PB_CLIENT_API void pb_pack_kv_str(msgpack_packer *pk, const char *key, const char *val);
