@@ -17,10 +17,14 @@
 
 int pb_parse_size(const char *s, size_t *out)
 {
+    /* A digit first: strtoull would skip blanks and take a sign, and
+     * " -1" would wrap to 2^64 - 1. */
+    if (*s < '0' || *s > '9')
+        return -1;
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *s == '-')
+    if (errno)
         return -1;
     unsigned shift = 0;
     switch (*end) {
@@ -31,8 +35,12 @@ int pb_parse_size(const char *s, size_t *out)
     case 't': case 'T': shift = 40; end++; break;
     default: return -1;
     }
-    if (*end == 'i' || *end == 'B')
-        end += (*end == 'i') + (end[*end == 'i'] == 'B');
+    /* 4Gi, 4GiB and 4GB are 4G too (binary, as --help says); a bare
+     * number takes no letters. */
+    if (shift && *end == 'i')
+        end++;
+    if (shift && *end == 'B')
+        end++;
     if (*end || (shift && v > (SIZE_MAX >> shift)))
         return -1;
     *out = (size_t)(v << shift);
@@ -140,6 +148,13 @@ const pb_setting_t *pb_config_settings(size_t *n)
 
 static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t errlen);
 
+/* The blanks of a line are those strtoull and strtod skip (isspace in the
+ * C locale): a value cannot begin with one the trim left, such as \f. */
+static bool blank(char ch)
+{
+    return ch == ' ' || ch == '\t' || ch == '\r' || ch == '\n' || ch == '\f' || ch == '\v';
+}
+
 size_t pb_config_phys_memory(void)
 {
     long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
@@ -205,6 +220,9 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
     const pb_setting_t *key = &keys[k];
     void *field = (char *)c + key->off;
     char *end;
+    /* strtol and strtod skip leading blanks (a flag may carry one, a
+     * file's line is trimmed): a number begins with what it is made of. */
+    bool lead = blank(*v);
     switch (key->type) {
     case PB_SET_PATH:
         if (*v == 0 || strlen(v) >= sizeof c->socket_path)
@@ -214,7 +232,7 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
     case PB_SET_MODE: {
         errno = 0;
         long m = strtol(v, &end, 8);
-        if (errno || end == v || *end || m < (long)key->min || m > (long)key->max)
+        if (lead || errno || end == v || *end || m < (long)key->min || m > (long)key->max)
             return bad(err, errlen, "expected an octal mode such as 0660, got '%.200s'", v);
         *(int *)field = (int)m;
         return 0;
@@ -226,7 +244,7 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
     case PB_SET_INT: {
         errno = 0;
         long n = strtol(v, &end, 10);
-        if (errno || end == v || *end || n < (long)key->min || n > (long)key->max) {
+        if (lead || errno || end == v || *end || n < (long)key->min || n > (long)key->max) {
             snprintf(err, errlen, "expected %llu..%llu, got '%.200s'", key->min, key->max, v);
             return PB_EINVALID_ARGUMENT;
         }
@@ -236,7 +254,7 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
     case PB_SET_SIZE: {
         size_t sz;
         if (pb_parse_size(v, &sz))
-            return bad(err, errlen, "expected a size such as 4096, 64K, 256M or 4G, got '%.200s'", v);
+            return bad(err, errlen, "expected a size such as 4096, 64K, 256M, 4G or 1T, got '%.200s'", v);
         if (sz < key->min) {
             snprintf(err, errlen, "expected at least %llu, got '%.200s'", key->min, v);
             return PB_EINVALID_ARGUMENT;
@@ -247,7 +265,7 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
     case PB_SET_SECONDS: {
         errno = 0;
         double s = strtod(v, &end);
-        if (errno || end == v || *end || !(s >= (double)key->min) || s > (double)key->max)
+        if (lead || errno || end == v || *end || !(s >= (double)key->min) || s > (double)key->max)
             return bad(err, errlen, "expected seconds >= 0, got '%.200s'", v);
         *(double *)field = s;
         return 0;
@@ -307,10 +325,10 @@ void pb_config_diff(const pb_config_t *a, const pb_config_t *b,
 
 static char *trim(char *s)
 {
-    while (*s == ' ' || *s == '\t')
+    while (blank(*s))
         s++;
     size_t n = strlen(s);
-    while (n > 0 && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\r' || s[n - 1] == '\n'))
+    while (n > 0 && blank(s[n - 1]))
         s[--n] = 0;
     return s;
 }
@@ -319,7 +337,7 @@ static char *trim(char *s)
 static int file_line(pb_config_t *c, char *s, unsigned skip_mask, int lineno, int *seen, char *err, size_t errlen)
 {
     for (char *h = s + 1; *h; h++)
-        if (*h == '#' && (h[-1] == ' ' || h[-1] == '\t')) {
+        if (*h == '#' && blank(h[-1])) {
             *h = 0;
             break;
         }
@@ -447,8 +465,9 @@ static void usage(void)
     }
     print_flag("version", "print the version and exit");
     print_flag("help", "print this help and exit");
-    fputs("Sizes take K, M, G suffixes (binary).  SIGHUP reloads the file: the other settings\n"
-          "change in place; these need a restart:", stdout);
+    fputs("Sizes are bytes or take a K, M, G or T suffix (binary: 1K is 1024; KiB, Ki and KB\n"
+          "mean the same).  SIGHUP reloads the file: the other settings change in place;\n"
+          "these need a restart:", stdout);
     const char *sep = " ";
     for (int k = 0; k < NKEYS; k++)
         if (!keys[k].reloadable) {

@@ -122,7 +122,8 @@ void pb_config_apply_reloadable(pb_config_t *to, const pb_config_t *from);
 
 /* Parse "cpu", "cuda", "cuda:N" into d; 0, or PB_EINVALID_ARGUMENT. */
 int pb_device_parse(const char *s, size_t len, pb_device_t *d);
-/* Parse "123", "64K", "256M", "4G" (binary units). */
+/* Parse "123", "64K", "256M", "4G", "1T" (binary units; "4Gi", "4GiB"
+ * and "4GB" are 4G too): digits first, no blank or sign.  0, or -1. */
 int pb_parse_size(const char *s, size_t *out);
 
 #endif

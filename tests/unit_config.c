@@ -192,6 +192,51 @@ static void odd_files(void **state)
     assert_int_equal(c.workers, 5);
 }
 
+/* Sizes: digits, then K, M, G or T (binary; Ki, KiB and KB alike).  A
+ * blank or a sign first was taken by strtoull: " -1" wrapped to 2^64 - 1. */
+static void sizes(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *text;
+        size_t want;
+    } good[] = {
+        {"0", 0}, {"4096", 4096}, {"64K", 64 << 10}, {"64k", 64 << 10}, {"64KiB", 64 << 10}, {"64Ki", 64 << 10},
+        {"64KB", 64 << 10}, {"256M", 256u << 20}, {"4G", (size_t)4 << 30}, {"4GiB", (size_t)4 << 30},
+        {"1T", (size_t)1 << 40}, {"2t", (size_t)2 << 40}, {"18446744073709551615", SIZE_MAX},
+    };
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        size_t v = 1;
+        if (pb_parse_size(good[i].text, &v) != 0 || v != good[i].want)
+            fail_msg("'%s': got %zu, expected %zu", good[i].text, v, good[i].want);
+    }
+    static const char *const bad[] = {
+        "", " -1", "-1", "\t-1", "\f-1", "\v-1", " 1", "+1", "\f5", "1 ", "K", "1X", "1i", "1B", "1iB", "1KiBB",
+        "1KBi", "1.5G", "18446744073709551616", "16777216T", "0x10",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        size_t v = 7;
+        if (pb_parse_size(bad[i], &v) == 0)
+            fail_msg("'%s' was taken as %zu", bad[i], v);
+        assert_int_equal(v, 7);
+    }
+    /* The same through a flag and through a file, whose line is trimmed of
+     * every blank strtoull skips (\f and \v too). */
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-tape-bytes", " -1", NULL), PB_EINVALID_ARGUMENT);
+    assert_string_equal(err, "--max-tape-bytes: expected a size such as 4096, 64K, 256M, 4G or 1T, got ' -1'");
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("max-tape-bytes = \v-1\n"), NULL),
+                     PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, ":1: max-tape-bytes: expected a size"));
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("max-tape-bytes =\f2T\v\n"), NULL), 0);
+    assert_int_equal(c.max_tape_bytes, (size_t)2 << 40);
+    /* Other numbers do not take a blank first either. */
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--workers", " 3", NULL), PB_EINVALID_ARGUMENT);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--drain-timeout", "\f5", NULL), PB_EINVALID_ARGUMENT);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--socket-mode", " 0600", NULL), PB_EINVALID_ARGUMENT);
+}
+
 static void flags_win(void **state)
 {
     (void)state;
@@ -428,7 +473,7 @@ int main(void)
         cmocka_unit_test(flags_win),             cmocka_unit_test(bad_flags),
         cmocka_unit_test(socket_chain),          cmocka_unit_test(diff_and_set),
         cmocka_unit_test(table_defaults),        cmocka_unit_test(limits_from_table),
-        cmocka_unit_test(apply_reloadable),
+        cmocka_unit_test(apply_reloadable),      cmocka_unit_test(sizes),
     };
     return cmocka_run_group_tests_name("unit.config", tests, setup, teardown);
 }
