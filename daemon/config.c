@@ -209,9 +209,17 @@ static int find_key(const char *name)
     return -1;
 }
 
+/* What was got is quoted as a client's names are (pb_quote): a config
+ * file's bytes may be any, and the line goes to the journal and to
+ * systemd's STATUS=. */
+static const char *quoted(pb_quoted_t *q, const char *got)
+{
+    return pb_quote(q, got, strlen(got));
+}
+
 static int bad(char *err, size_t errlen, const char *fmt, const char *got)
 {
-    snprintf(err, errlen, fmt, got);
+    snprintf(err, errlen, fmt, quoted(PB_QUOTED, got));
     return PB_EINVALID_ARGUMENT;
 }
 
@@ -226,26 +234,26 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
     switch (key->type) {
     case PB_SET_PATH:
         if (*v == 0 || strlen(v) >= sizeof c->socket_path)
-            return bad(err, errlen, "expected a path of 1 to 107 bytes, got '%.200s'", v);
+            return bad(err, errlen, "expected a path of 1 to 107 bytes, got '%s'", v);
         snprintf(c->socket_path, sizeof c->socket_path, "%s", v);
         return 0;
     case PB_SET_MODE: {
         errno = 0;
         long m = strtol(v, &end, 8);
         if (lead || errno || end == v || *end || m < (long)key->min || m > (long)key->max)
-            return bad(err, errlen, "expected an octal mode such as 0660, got '%.200s'", v);
+            return bad(err, errlen, "expected an octal mode such as 0660, got '%s'", v);
         *(int *)field = (int)m;
         return 0;
     }
     case PB_SET_DEVICE:
         if (pb_device_parse(v, strlen(v), field))
-            return bad(err, errlen, "expected cpu, cuda or cuda:N, got '%.200s'", v);
+            return bad(err, errlen, "expected cpu, cuda or cuda:N, got '%s'", v);
         return 0;
     case PB_SET_INT: {
         errno = 0;
         long n = strtol(v, &end, 10);
         if (lead || errno || end == v || *end || n < (long)key->min || n > (long)key->max) {
-            snprintf(err, errlen, "expected %llu..%llu, got '%.200s'", key->min, key->max, v);
+            snprintf(err, errlen, "expected %llu..%llu, got '%s'", key->min, key->max, quoted(PB_QUOTED, v));
             return PB_EINVALID_ARGUMENT;
         }
         *(int *)field = (int)n;
@@ -254,9 +262,9 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
     case PB_SET_SIZE: {
         size_t sz;
         if (pb_parse_size(v, &sz))
-            return bad(err, errlen, "expected a size such as 4096, 64K, 256M, 4G or 1T, got '%.200s'", v);
+            return bad(err, errlen, "expected a size such as 4096, 64K, 256M, 4G or 1T, got '%s'", v);
         if (sz < key->min) {
-            snprintf(err, errlen, "expected at least %llu, got '%.200s'", key->min, v);
+            snprintf(err, errlen, "expected at least %llu, got '%s'", key->min, quoted(PB_QUOTED, v));
             return PB_EINVALID_ARGUMENT;
         }
         *(size_t *)field = sz;
@@ -266,14 +274,14 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
         errno = 0;
         double s = strtod(v, &end);
         if (lead || errno || end == v || *end || !(s >= (double)key->min) || s > (double)key->max)
-            return bad(err, errlen, "expected seconds >= 0, got '%.200s'", v);
+            return bad(err, errlen, "expected seconds >= 0, got '%s'", v);
         *(double *)field = s;
         return 0;
     }
     case PB_SET_LOG: {
         int l = pb_log_parse_level(v);
         if (l < 0)
-            return bad(err, errlen, "expected error, warning, notice, info or debug, got '%.200s'", v);
+            return bad(err, errlen, "expected error, warning, notice, info or debug, got '%s'", v);
         *(int *)field = l;
         return 0;
     }
@@ -285,7 +293,7 @@ int pb_config_set(pb_config_t *c, const char *key, const char *value, char *err,
 {
     int k = find_key(key);
     if (k < 0)
-        return bad(err, errlen, "unknown setting '%.100s'", key);
+        return bad(err, errlen, "unknown setting '%s'", key);
     return set_index(c, k, value, err, errlen);
 }
 
@@ -343,7 +351,7 @@ static int file_line(pb_config_t *c, char *s, unsigned skip_mask, int lineno, in
         }
     char *eq = strchr(s, '=');
     if (eq == NULL)
-        return bad(err, errlen, "expected 'key = value', got '%.100s'", s);
+        return bad(err, errlen, "expected 'key = value', got '%s'", s);
     *eq = 0;
     char *name = trim(s), *value = trim(eq + 1);
     for (char *p = name; *p; p++)
@@ -352,7 +360,7 @@ static int file_line(pb_config_t *c, char *s, unsigned skip_mask, int lineno, in
     int k = find_key(name);
     if (k < 0)
         return bad(err, errlen,
-                   "unknown key '%.100s' (keys are the long flags without --, such as max-tape-bytes)", name);
+                   "unknown key '%s' (keys are the long flags without --, such as max-tape-bytes)", name);
     if (seen[k]) {
         snprintf(err, errlen, "%s: given twice (first on line %d)", keys[k].name, seen[k]);
         return PB_EINVALID_ARGUMENT;
@@ -395,7 +403,10 @@ int pb_config_read_file(pb_config_t *c, const char *path, bool required, unsigne
     int rc = bad ? PB_EINVALID_ARGUMENT : 0, lineno = 0;
     if (bad)
         snprintf(err, errlen, "%.200s: %s", path, bad);
-    for (size_t at = 0; rc == 0 && at < len;) {
+    /* A byte-order mark, as some Windows editors write one: not part of
+     * the first key. */
+    size_t at = rc == 0 && len >= 3 && memcmp(text, "\xef\xbb\xbf", 3) == 0 ? 3 : 0;
+    while (rc == 0 && at < len) {
         char *line = text + at, *nl = memchr(line, '\n', len - at);
         size_t n = nl ? (size_t)(nl - line) : len - at;
         at += n + 1;
@@ -506,7 +517,7 @@ int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_
         if (ch == ':')
             return bad(err, errlen, "%s: missing value", argv[optind - 1]);
         if (ch == '?')
-            return bad(err, errlen, "unknown option '%.100s' (see --help)", argv[optind - 1]);
+            return bad(err, errlen, "unknown option '%s' (see --help)", argv[optind - 1]);
         if (ch == O_HELP) {
             usage();
             return 1;
@@ -523,7 +534,7 @@ int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_
         }
     }
     if (optind < argc)
-        return bad(err, errlen, "unexpected argument '%.100s'", argv[optind]);
+        return bad(err, errlen, "unexpected argument '%s'", argv[optind]);
     if (file && *file) {
         int rc = pb_config_read_file(&c, file, required, flags, err, errlen);
         if (rc)

@@ -237,6 +237,27 @@ static void sizes(void **state)
     assert_int_equal(load(&c, NULL, err, sizeof err, "--socket-mode", " 0600", NULL), PB_EINVALID_ARGUMENT);
 }
 
+/* What a file holds is quoted in errors as protocol messages are: the
+ * line goes to the journal and to STATUS=.  A byte-order mark first is
+ * skipped. */
+static void file_bytes(void **state)
+{
+    (void)state;
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("\xef\xbb\xbfworkers = 3\n"), NULL), 0);
+    assert_int_equal(c.workers, 3);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("workers = 3\xff\x01\n"), NULL),
+                     PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "workers: expected 1..1024, got '3\\xff\\x01'"));
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("wor\xc3kers = 3\n"), NULL),
+                     PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "unknown key 'wor\\xc3kers'"));
+    /* A mark anywhere else is no blank. */
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("# x\n\xef\xbb\xbfworkers = 3\n"),
+                          NULL), PB_EINVALID_ARGUMENT);
+}
+
 static void flags_win(void **state)
 {
     (void)state;
@@ -474,6 +495,7 @@ int main(void)
         cmocka_unit_test(socket_chain),          cmocka_unit_test(diff_and_set),
         cmocka_unit_test(table_defaults),        cmocka_unit_test(limits_from_table),
         cmocka_unit_test(apply_reloadable),      cmocka_unit_test(sizes),
+        cmocka_unit_test(file_bytes),
     };
     return cmocka_run_group_tests_name("unit.config", tests, setup, teardown);
 }
