@@ -499,6 +499,30 @@ static void make_options(struct option *o)
     o[NKEYS + 3] = (struct option){0, 0, 0, 0};
 }
 
+/* getopt_long returns '?' both for an unknown option and for an
+ * abbreviation of several (glibc tells them apart only in the message
+ * opterr would print): say which. */
+static int bad_option(const struct option *opts, const char *arg, char *err, size_t errlen)
+{
+    if (strncmp(arg, "--", 2) == 0) {
+        const char *name = arg + 2;
+        size_t len = strcspn(name, "=");
+        char could[300] = "";
+        size_t at = 0;
+        int n = 0;
+        for (const struct option *o = opts; o->name && len > 0; o++)
+            if (strncmp(o->name, name, len) == 0 && at < sizeof could) {
+                at += (size_t)snprintf(could + at, sizeof could - at, "%s--%s", n ? ", " : "", o->name);
+                n++;
+            }
+        if (n > 1) {
+            snprintf(err, errlen, "ambiguous option '--%s': could be %s", pb_quote(PB_QUOTED, name, len), could);
+            return PB_EINVALID_ARGUMENT;
+        }
+    }
+    return bad(err, errlen, "unknown option '%s' (see --help)", arg);
+}
+
 int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_file, char *err, size_t errlen)
 {
     pb_config_t c;
@@ -517,7 +541,7 @@ int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_
         if (ch == ':')
             return bad(err, errlen, "%s: missing value", argv[optind - 1]);
         if (ch == '?')
-            return bad(err, errlen, "unknown option '%s' (see --help)", argv[optind - 1]);
+            return bad_option(opts, argv[optind - 1], err, errlen);
         if (ch == O_HELP) {
             usage();
             return 1;

@@ -302,6 +302,15 @@ static void bad_flags(void **state)
     assert_int_equal(load(&c, NULL, err, sizeof err, "stray", NULL), PB_EINVALID_ARGUMENT);
     assert_non_null(strstr(err, "unexpected argument 'stray'"));
     assert_int_equal(load(&c, NULL, err, sizeof err, "--version", NULL), 1);
+    /* An abbreviation several options begin with is ambiguous, not
+     * unknown; one that only one begins with is that option. */
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-tape", "9", NULL), PB_EINVALID_ARGUMENT);
+    assert_string_equal(err, "ambiguous option '--max-tape': could be --max-tape-bytes, --max-tape-bytes-per-uid, "
+                             "--max-tapes-per-connection");
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-tape-bytes-p=5K", NULL), 0);
+    assert_int_equal(c.max_tape_bytes_per_uid, 5 << 10);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-b=1", NULL), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "ambiguous option '--max-b': could be --max-buffers-per-connection, "));
 }
 
 static void socket_chain(void **state)
