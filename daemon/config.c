@@ -176,10 +176,12 @@ static void defaults(pb_config_t *c)
     c->workers = ncpu > 0 ? (int)ncpu : 1;
     /* Buffering caps from the machine's memory: a quarter of it for all
      * connections (never under 512M, so that the default 256M message and
-     * its reply fit), half of that per uid. */
+     * its reply fit), half of the total per uid. */
     size_t mem = pb_config_phys_memory();
     c->max_buffered_bytes = mem / 4 > ((size_t)512 << 20) ? mem / 4 : (size_t)512 << 20;
-    c->max_buffered_bytes_per_uid = c->max_buffered_bytes / 2;
+    /* Unset (no value parses to 0): half of the total the file and the
+     * flags leave, once they are in (pb_config_load). */
+    c->max_buffered_bytes_per_uid = 0;
     /* Big blocks kept for reuse (kernels/mem.h): an eighth of the memory. */
     c->memory_cache_bytes = mem / 8;
 }
@@ -191,6 +193,13 @@ int pb_config_limits(const pb_config_t *c, pb_config_limit_t *out)
         if (keys[k].limit && keys[k].type == PB_SET_SIZE)
             out[n++] = (pb_config_limit_t){keys[k].limit, *(const size_t *)((const char *)c + keys[k].off)};
     return n;
+}
+
+void pb_config_warn(const pb_config_t *c)
+{
+    if (c->max_buffered_bytes_per_uid > c->max_buffered_bytes)
+        pb_log(PB_LOG_WARNING, "max-buffered-bytes-per-uid (%zu) is above max-buffered-bytes (%zu): the total binds "
+               "first, so one uid may take all of it", c->max_buffered_bytes_per_uid, c->max_buffered_bytes);
 }
 
 void pb_config_apply_reloadable(pb_config_t *to, const pb_config_t *from)
@@ -578,6 +587,8 @@ int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_
         }
     }
     optind = 1;
+    if (c.max_buffered_bytes_per_uid == 0)
+        c.max_buffered_bytes_per_uid = c.max_buffered_bytes / 2;
     if (c.socket_path[0] == 0 && default_socket(c.socket_path, sizeof c.socket_path)) {
         snprintf(err, errlen, "the socket path from the environment is longer than %zu bytes; use --socket",
                  sizeof c.socket_path - 1);

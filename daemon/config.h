@@ -116,6 +116,10 @@ size_t pb_config_phys_memory(void);
 /* Fill out (PB_CONFIG_MAX_LIMITS entries) with c's limits; their count. */
 int pb_config_limits(const pb_config_t *c, pb_config_limit_t *out);
 
+/* Log (warning) what a load accepts but an operator hardly means: a
+ * per-uid buffering cap above the total. */
+void pb_config_warn(const pb_config_t *c);
+
 /* A reload: copy the reloadable settings of from into to, and the name of
  * the file they came from; the others stay as they are. */
 void pb_config_apply_reloadable(pb_config_t *to, const pb_config_t *from);

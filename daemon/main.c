@@ -23,6 +23,7 @@ int main(int argc, char **argv)
         return rc > 0 ? 0 : 2;
     }
     pb_log_level = cfg.log_level;
+    pb_config_warn(&cfg);
     if (cfg.device.kind != PB_DEV_CPU) {
         pb_log(PB_LOG_ERR, "--device cuda:%d: this daemon has no CUDA devices (built without the CUDA backend)",
                cfg.device.index);

@@ -347,6 +347,7 @@ void pb_server_reload(pb_server_t *s)
     s->rpc.tapes.max_bytes = n.max_tape_bytes;
     s->rpc.tapes.max_bytes_per_uid = n.max_tape_bytes_per_uid;
     pb_log_level = n.log_level;
+    pb_config_warn(&s->cfg);
     set_memory_cap(s);
     pb_log(PB_LOG_NOTICE, "reloaded %s: %d settings changed, %d need a restart",
            n.config_file[0] ? n.config_file : "(no config file)", ctx.applied, ctx.refused);

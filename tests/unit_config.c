@@ -258,6 +258,29 @@ static void file_bytes(void **state)
                           NULL), PB_EINVALID_ARGUMENT);
 }
 
+/* max-buffered-bytes-per-uid is half of the max-buffered-bytes in force
+ * unless it is given: it was half of the memory-based default whatever
+ * the total. */
+static void per_uid_buffering(void **state)
+{
+    (void)state;
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-buffered-bytes", "1G", NULL), 0);
+    assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)512 << 20);
+    const char *p = file_with("max-buffered-bytes = 2G\n");
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, NULL), 0);
+    assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)1 << 30);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, "--max-buffered-bytes", "64M", NULL), 0);
+    assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)32 << 20);
+    /* Given, it stays, above the total too (pb_config_warn says so). */
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, "--max-buffered-bytes-per-uid", "3G", NULL), 0);
+    assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)3 << 30);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config",
+                          file_with("max-buffered-bytes-per-uid = 100M\nmax-buffered-bytes = 4G\n"), NULL), 0);
+    assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)100 << 20);
+}
+
 static void flags_win(void **state)
 {
     (void)state;
@@ -504,7 +527,7 @@ int main(void)
         cmocka_unit_test(socket_chain),          cmocka_unit_test(diff_and_set),
         cmocka_unit_test(table_defaults),        cmocka_unit_test(limits_from_table),
         cmocka_unit_test(apply_reloadable),      cmocka_unit_test(sizes),
-        cmocka_unit_test(file_bytes),
+        cmocka_unit_test(file_bytes),            cmocka_unit_test(per_uid_buffering),
     };
     return cmocka_run_group_tests_name("unit.config", tests, setup, teardown);
 }

@@ -1,0 +1,163 @@
+"""e2e.ops: what an operator sees of the daemon, under abuse and at stop.
+
+Each test starts its own daemon ($PULLBACKD_BIN) with stderr to a file it
+reads, as an operator reads the journal:
+
+- max-buffered-bytes-per-uid defaults to half of the max-buffered-bytes in
+  force (flags, file, reload), and one above the total is warned about;
+
+Cases that need root, unshare or the LAPACK module skip without them.
+"""
+
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "python"))
+
+import msgpack  # noqa: E402
+from daemon_case import wait_for_socket  # noqa: E402
+
+DAEMON = os.environ.get("PULLBACKD_BIN", "build/daemon/pullbackd")
+
+
+class Daemon:
+    """One pullbackd with its stderr in dir/name.log.  --config /dev/null
+    unless config is given (None: no --config at all, the default file)."""
+
+    def __init__(self, dir, *args, name="d", sock=None, env=None, nofile=None, prefix=(), config="/dev/null",
+                 wait=True):
+        self.sock = sock or os.path.join(dir, name + ".sock")
+        self.log = os.path.join(dir, name + ".log")
+        cmd = [*prefix, DAEMON, "--socket", self.sock, "--workers", "2", *map(str, args)]
+        if config is not None:
+            cmd += ["--config", config]
+
+        def limits():
+            if nofile:
+                resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
+
+        with open(self.log, "wb") as f:
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=f, env={**os.environ, **(env or {})},
+                                         preexec_fn=limits)
+        if wait:
+            try:
+                wait_for_socket(self.sock, self.proc)
+            except BaseException:
+                self.kill()
+                raise
+
+    def text(self):
+        with open(self.log, errors="replace") as f:
+            return f.read()
+
+    def lines(self, needle):
+        return [l for l in self.text().splitlines() if needle in l]
+
+    def wait_log(self, needle, timeout=10):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.text():
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"no {needle!r} in the daemon's log:\n{self.text()}")
+
+    def stop(self, timeout=20):
+        """SIGTERM; the exit status."""
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def connect(path):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(30)
+    s.connect(path)
+    return s
+
+
+def read_replies(s, n):
+    """n replies from s (fewer when it closes first)."""
+    u = msgpack.Unpacker(raw=False)
+    out = []
+    while len(out) < n:
+        data = s.recv(1 << 20)
+        if not data:
+            break
+        u.feed(data)
+        out.extend(u)
+    return out
+
+
+def call(path, method, params=None):
+    with connect(path) as s:
+        s.sendall(msgpack.packb([0, 1, method, [params or {}]]))
+        (reply,) = read_replies(s, 1)
+    if reply[2] is not None:
+        raise AssertionError(f"{method}: {reply[2]}")
+    return reply[3]
+
+
+class Ops(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="pbops")
+        os.chmod(self.dir, 0o711)  # other uids reach the sockets in here
+        self.daemons = []
+
+    def tearDown(self):
+        for d in self.daemons:
+            d.kill()
+        shutil.rmtree(self.dir)
+
+    def start(self, *args, **kw):
+        d = Daemon(self.dir, *args, **kw)
+        self.daemons.append(d)
+        return d
+
+    # ---- settings --------------------------------------------------------
+
+    def test_per_uid_buffering_default(self):
+        """max-buffered-bytes-per-uid defaults to half of max-buffered-bytes
+        as configured (it was half of the memory-based default), on reload
+        too; a per-uid cap above the total is warned about."""
+        G = 1 << 30
+        d = self.start("--max-buffered-bytes", "1G", name="flag")
+        limits = call(d.sock, "hello")["limits"]
+        self.assertEqual(limits["max_buffered_bytes"], G)
+        self.assertEqual(limits["max_buffered_bytes_per_uid"], G // 2)
+        self.assertEqual(d.stop(), 0)
+
+        conf = os.path.join(self.dir, "b.conf")
+        with open(conf, "w") as f:
+            f.write("max-buffered-bytes = 1G\n")
+        d = self.start(name="file", config=conf)
+        self.assertEqual(call(d.sock, "hello")["limits"]["max_buffered_bytes_per_uid"], G // 2)
+        with open(conf, "w") as f:
+            f.write("max-buffered-bytes = 2G\n")
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_log("reloaded ")
+        self.assertIn("reload: max-buffered-bytes-per-uid 536870912 -> 1073741824", d.text())
+        self.assertEqual(call(d.sock, "hello")["limits"]["max_buffered_bytes_per_uid"], G)
+        self.assertNotIn("is above max-buffered-bytes", d.text())
+        with open(conf, "w") as f:
+            f.write("max-buffered-bytes = 64M\nmax-buffered-bytes-per-uid = 128M\n")
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_log("max-buffered-bytes-per-uid (134217728) is above max-buffered-bytes (67108864)")
+        self.assertEqual(call(d.sock, "hello")["limits"]["max_buffered_bytes_per_uid"], 128 << 20)
+        self.assertEqual(d.stop(), 0)
+
+
+if __name__ == "__main__":
+    unittest.main(verbosity=2)
