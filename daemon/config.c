@@ -532,14 +532,17 @@ static int bad_option(const struct option *opts, const char *arg, char *err, siz
     return bad(err, errlen, "unknown option '%s' (see --help)", arg);
 }
 
-int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_file, char *err, size_t errlen)
+/* pb_config_load, and pb_config_reload with default_required when the
+ * default file was read before. */
+static int load(pb_config_t *out, int argc, char **argv, const char *default_file, bool default_required,
+                char *err, size_t errlen)
 {
     pb_config_t c;
     defaults(&c);
     struct option opts[NKEYS + 4];
     make_options(opts);
     const char *file = default_file;
-    bool required = false;
+    bool required = default_required;
     unsigned flags = 0;
     int ch;
     /* First pass: where the file is, and which settings the flags take
@@ -596,4 +599,16 @@ int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_
     }
     *out = c;
     return 0;
+}
+
+int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_file, char *err, size_t errlen)
+{
+    return load(out, argc, argv, default_file, false, err, errlen);
+}
+
+int pb_config_reload(pb_config_t *out, const pb_config_t *cur, int argc, char **argv, const char *default_file,
+                     char *err, size_t errlen)
+{
+    bool was_read = default_file && cur->config_file[0] && strcmp(cur->config_file, default_file) == 0;
+    return load(out, argc, argv, default_file, was_read, err, errlen);
 }

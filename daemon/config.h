@@ -6,10 +6,12 @@
  * accepted too).  The file is /etc/pullbackd/pullbackd.conf unless
  * `--config PATH` names another: one `key = value` per line, blank lines and
  * lines starting with `#` ignored, and a `#` after a blank starts a trailing
- * comment.  A missing default file is no error; a missing --config file, an
- * unknown key, a key given twice or a bad value is.  Precedence: flags over
- * the file over the built-in defaults; a `socket` key in the file counts as
- * --socket (above $PULLBACKD_SOCKET and the rest of the chain).
+ * comment.  A missing default file is no error at start; a missing --config
+ * file, an unknown key, a key given twice or a bad value is, and so is, at a
+ * reload, a default file that was read before and is gone.  Precedence:
+ * flags over the file over the built-in defaults; a `socket` key in the
+ * file counts as --socket (above $PULLBACKD_SOCKET and the rest of the
+ * chain).
  *
  * Reloading (SIGHUP) runs the same load again, flags still winning, and
  * applies only the reloadable settings: the limits, --drain-timeout and
@@ -64,6 +66,12 @@ typedef struct pb_config {
  * one-line reason in err (never printed) for a bad flag, a missing
  * --config file or a bad file.  c is written only on success. */
 int pb_config_load(pb_config_t *c, int argc, char **argv, const char *default_file, char *err, size_t errlen);
+/* A SIGHUP's load: as pb_config_load, but when cur's settings came from
+ * the default file, that file is required: one gone since is an error
+ * (the running settings stay), not every setting back to its default.
+ * A default file missing at start may still be missing, or appear. */
+int pb_config_reload(pb_config_t *c, const pb_config_t *cur, int argc, char **argv, const char *default_file,
+                     char *err, size_t errlen);
 /* Apply the settings of the file at path over c.  A missing file is
  * PB_EINVALID_ARGUMENT when required, else 0 with c untouched.  Errors say
  * "PATH:LINE: key: why" in err; c is then partly updated, so parse into a

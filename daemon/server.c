@@ -334,7 +334,7 @@ void pb_server_reload(pb_server_t *s)
     pb_sd_notify("RELOADING=1");
     pb_config_t n;
     char err[512];
-    int rc = pb_config_load(&n, s->argc, s->argv, s->default_config, err, sizeof err);
+    int rc = pb_config_reload(&n, &s->cfg, s->argc, s->argv, s->default_config, err, sizeof err);
     if (rc != 0) {
         pb_log(PB_LOG_ERR, "reload failed, keeping the running configuration: %s (%s)",
                rc < 0 ? err : "help or version requested", pb_strerror_code(rc < 0 ? rc : PB_EINVALID_ARGUMENT));

@@ -5,6 +5,8 @@ reads, as an operator reads the journal:
 
 - max-buffered-bytes-per-uid defaults to half of the max-buffered-bytes in
   force (flags, file, reload), and one above the total is warned about;
+- a reload with the default config file gone keeps the settings (as root,
+  in a mount namespace of its own with an overlay over /etc).
 
 Cases that need root, unshare or the LAPACK module skip without them.
 """
@@ -156,6 +158,42 @@ class Ops(unittest.TestCase):
         d.proc.send_signal(signal.SIGHUP)
         d.wait_log("max-buffered-bytes-per-uid (134217728) is above max-buffered-bytes (67108864)")
         self.assertEqual(call(d.sock, "hello")["limits"]["max_buffered_bytes_per_uid"], 128 << 20)
+        self.assertEqual(d.stop(), 0)
+
+    @unittest.skipUnless(os.geteuid() == 0 and shutil.which("unshare") and shutil.which("nsenter"),
+                         "needs root, unshare and nsenter for a mount namespace")
+    def test_reload_default_file_gone(self):
+        """The default config file, read at start and then deleted: a reload
+        keeps the settings (it put every one back to its default)."""
+        upper, work = os.path.join(self.dir, "upper"), os.path.join(self.dir, "work")
+        os.mkdir(upper)
+        os.mkdir(work)
+        conf = "/etc/pullbackd/pullbackd.conf"
+        script = (f"mount -t overlay overlay -o lowerdir=/etc,upperdir={upper},workdir={work} /etc || exit 99; "
+                  f"mkdir -p /etc/pullbackd && printf 'max-tape-bytes = 1G\\nlog-level = info\\n' > {conf} && "
+                  'exec "$@"')
+        d = self.start(config=None, wait=False,
+                       prefix=["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh"])
+        try:
+            wait_for_socket(d.sock, d.proc)
+        except RuntimeError:
+            if d.proc.returncode == 99:
+                self.skipTest("no overlay over /etc here")
+            raise
+        self.assertIn(f"config {conf}", d.text())
+        self.assertEqual(call(d.sock, "hello")["limits"]["max_tape_bytes"], 1 << 30)
+        inside = ["nsenter", "-t", str(d.proc.pid), "-m"]
+        subprocess.run(inside + ["rm", conf], check=True)
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_log("reload failed, keeping the running configuration: ")
+        self.assertIn(f"{conf}: No such file or directory", d.text())
+        self.assertEqual(call(d.sock, "hello")["limits"]["max_tape_bytes"], 1 << 30)
+        self.assertNotIn("reload: max-tape-bytes", d.text())
+        # Back, changed: read as usual.
+        subprocess.run(inside + ["sh", "-c", f"printf 'max-tape-bytes = 2G\\n' > {conf}"], check=True)
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_log("reload: max-tape-bytes 1073741824 -> 2147483648")
+        self.assertEqual(call(d.sock, "hello")["limits"]["max_tape_bytes"], 2 << 30)
         self.assertEqual(d.stop(), 0)
 
 

@@ -281,6 +281,44 @@ static void per_uid_buffering(void **state)
     assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)100 << 20);
 }
 
+/* A reload with the default file gone keeps the settings when they came
+ * from it (every setting went back to its default); a default file that
+ * was missing at start may still be missing, or appear. */
+static void reload_default_file(void **state)
+{
+    (void)state;
+    char path[128], err[512];
+    snprintf(path, sizeof path, "%s/default.conf", dir);
+    char *argv[] = {"pullbackd", "--workers", "2", NULL};
+    pb_config_t cur, n;
+    unlink(path);
+    assert_int_equal(pb_config_load(&cur, 3, argv, path, err, sizeof err), 0);
+    assert_string_equal(cur.config_file, "");
+    assert_int_equal(pb_config_reload(&n, &cur, 3, argv, path, err, sizeof err), 0);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("max-tape-bytes = 1G\n", f);
+    fclose(f);
+    assert_int_equal(pb_config_reload(&n, &cur, 3, argv, path, err, sizeof err), 0);
+    assert_int_equal(n.max_tape_bytes, (size_t)1 << 30);
+    assert_string_equal(n.config_file, path);
+    cur = n;
+    assert_int_equal(unlink(path), 0);
+    memset(&n, 0x5a, sizeof n);
+    pb_config_t before = n;
+    assert_int_equal(pb_config_reload(&n, &cur, 3, argv, path, err, sizeof err), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, path));
+    assert_non_null(strstr(err, "No such file"));
+    assert_memory_equal(&n, &before, sizeof n);
+    /* At start a missing default file is still fine. */
+    assert_int_equal(pb_config_load(&n, 3, argv, path, err, sizeof err), 0);
+    assert_int_equal(n.max_tape_bytes, (size_t)4 << 30);
+    /* An explicit --config was required at every load already. */
+    char *argv2[] = {"pullbackd", "--config", path, NULL};
+    assert_int_equal(pb_config_reload(&n, &cur, 3, argv2, "/nonexistent/pullbackd.conf", err, sizeof err),
+                     PB_EINVALID_ARGUMENT);
+}
+
 static void flags_win(void **state)
 {
     (void)state;
@@ -528,6 +566,7 @@ int main(void)
         cmocka_unit_test(table_defaults),        cmocka_unit_test(limits_from_table),
         cmocka_unit_test(apply_reloadable),      cmocka_unit_test(sizes),
         cmocka_unit_test(file_bytes),            cmocka_unit_test(per_uid_buffering),
+        cmocka_unit_test(reload_default_file),
     };
     return cmocka_run_group_tests_name("unit.config", tests, setup, teardown);
 }
