@@ -251,6 +251,26 @@ static void ready(pb_server_t *s)
     }
 }
 
+/* uv_pipe_bind reports a missing directory as EACCES (libuv turns bind's
+ * ENOENT into it, as Windows says): look first, and say what is wrong.
+ * 0, or a negative PB_E* code (logged). */
+static int check_socket_dir(const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    if (slash == NULL)
+        return 0; /* the working directory */
+    char dir[sizeof ((pb_config_t *)0)->socket_path];
+    snprintf(dir, sizeof dir, "%.*s", slash == path ? 1 : (int)(slash - path), path);
+    struct stat st;
+    int rc = stat(dir, &st) == 0 ? (S_ISDIR(st.st_mode) ? 0 : UV_ENOTDIR) : -errno;
+    if (rc == UV_ENOENT || rc == UV_ENOTDIR) {
+        pb_log(PB_LOG_ERR, "cannot listen on %s: %s %s (%s)", path,
+               rc == UV_ENOENT ? "no such directory" : "not a directory:", dir, uv_err_name(rc));
+        return pb_err_from_sys(rc);
+    }
+    return 0; /* anything else, bind says */
+}
+
 int pb_server_listen(pb_server_t *s)
 {
     int rc = listen_activated(s);
@@ -262,6 +282,8 @@ int pb_server_listen(pb_server_t *s)
         return 0;
     }
     const char *path = s->cfg.socket_path;
+    if ((rc = check_socket_dir(path)))
+        return rc;
     struct stat st;
     if (lstat(path, &st) == 0) {
         if (!S_ISSOCK(st.st_mode)) {

@@ -5,6 +5,7 @@ reads, as an operator reads the journal:
 
 - max-buffered-bytes-per-uid defaults to half of the max-buffered-bytes in
   force (flags, file, reload), and one above the total is warned about;
+- a socket whose directory is missing is reported as that;
 - a reload with the default config file gone keeps the settings (as root,
   in a mount namespace of its own with an overlay over /etc).
 
@@ -159,6 +160,19 @@ class Ops(unittest.TestCase):
         d.wait_log("max-buffered-bytes-per-uid (134217728) is above max-buffered-bytes (67108864)")
         self.assertEqual(call(d.sock, "hello")["limits"]["max_buffered_bytes_per_uid"], 128 << 20)
         self.assertEqual(d.stop(), 0)
+
+    def test_missing_socket_directory(self):
+        """bind's ENOENT came out as 'permission denied'."""
+        sock = os.path.join(self.dir, "no", "such", "pullbackd.sock")
+        d = self.start(sock=sock, wait=False)
+        self.assertEqual(d.proc.wait(20), 1)
+        self.assertIn(f"cannot listen on {sock}: no such directory {os.path.dirname(sock)}", d.text())
+        self.assertNotIn("permission denied", d.text())
+        plain = os.path.join(self.dir, "plain")
+        open(plain, "w").close()
+        d = self.start(sock=os.path.join(plain, "pullbackd.sock"), name="notdir", wait=False)
+        self.assertEqual(d.proc.wait(20), 1)
+        self.assertIn(f"not a directory: {plain}", d.text())
 
     @unittest.skipUnless(os.geteuid() == 0 and shutil.which("unshare") and shutil.which("nsenter"),
                          "needs root, unshare and nsenter for a mount namespace")
