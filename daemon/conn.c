@@ -90,11 +90,50 @@ static void unlink_conn(pb_conn_t *c)
     }
 }
 
+/* How many lines c did not log, at the most severe of their levels. */
+static void log_dropped(pb_conn_t *c)
+{
+    if (c->log_dropped == 0)
+        return;
+    pb_log(c->log_dropped_level, "connection %llu (uid %u, pid %d): %llu more lines about its messages not logged "
+           "(at most %d a minute per connection)", (unsigned long long)c->id, (unsigned)c->uid, (int)c->pid,
+           (unsigned long long)c->log_dropped, PB_CONN_LOG_BURST);
+    c->log_dropped = 0;
+    c->log_dropped_level = 0;
+}
+
+void pb_conn_log(pb_conn_t *c, int level, const char *fmt, ...)
+{
+    if (level > pb_log_level)
+        return;
+    if (level < PB_LOG_DEBUG) {
+        uint64_t now = uv_now(c->set->loop);
+        if (c->log_lines > 0 && now - c->log_window >= PB_CONN_LOG_WINDOW_MS) {
+            log_dropped(c);
+            c->log_lines = 0;
+        }
+        if (c->log_lines == 0)
+            c->log_window = now;
+        if (c->log_lines == PB_CONN_LOG_BURST) {
+            c->log_dropped++;
+            if (c->log_dropped_level == 0 || level < c->log_dropped_level)
+                c->log_dropped_level = level;
+            return;
+        }
+        c->log_lines++;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    pb_vlog(level, fmt, ap);
+    va_end(ap);
+}
+
 void pb_conn_close(pb_conn_t *c)
 {
     if (c->closing)
         return;
     c->closing = true;
+    log_dropped(c);
     pb_log(PB_LOG_INFO, "connection %llu closed (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
            (int)c->pid);
     c->set->cb.on_close(c, c->set->cb.data);
@@ -267,7 +306,7 @@ static void parse_error(pb_conn_t *c, const char *why, size_t limit)
                    why, limit);
     else
         pb_err_set(&err, PB_EPARSE, NULL, "%s; closing the connection", why);
-    pb_log(PB_LOG_NOTICE, "connection %llu: parse_error: %s", (unsigned long long)c->id, err.message);
+    pb_conn_log(c, PB_LOG_NOTICE, "connection %llu: parse_error: %s", (unsigned long long)c->id, err.message);
     answer_and_close(c, &err);
 }
 
@@ -280,7 +319,7 @@ void pb__conn_refuse(pb_conn_t *c, const char *limit, const char *fmt, ...)
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
     pb_err_set(&err, PB_ERESOURCE_EXHAUSTED, limit, "%s; closing the connection", why);
-    pb_log(PB_LOG_NOTICE, "connection %llu (uid %u): resource_exhausted: %s", (unsigned long long)c->id,
+    pb_conn_log(c, PB_LOG_NOTICE, "connection %llu (uid %u): resource_exhausted: %s", (unsigned long long)c->id,
            (unsigned)c->uid, why);
     /* Its incomplete message goes back to the system, unmapped off the
      * loop; until it is gone its bytes still count against
@@ -439,12 +478,13 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
     }
     if (nread < 0) {
         if (nread != UV_EOF)
-            pb_log(PB_LOG_INFO, "connection %llu: read: %s", (unsigned long long)c->id, uv_strerror((int)nread));
+            pb_conn_log(c, PB_LOG_INFO, "connection %llu: read: %s", (unsigned long long)c->id,
+                        uv_strerror((int)nread));
         pb_conn_close(c);
         return;
     }
     if (nread > 0 && uv_pipe_pending_count(&c->pipe) > 0 && !pb__conn_receive_fds(c, c->rx, c->rx + (uint64_t)nread)) {
-        pb_log(PB_LOG_WARNING, "connection %llu: out of memory for passed file descriptors; closing it",
+        pb_conn_log(c, PB_LOG_WARNING, "connection %llu: out of memory for passed file descriptors; closing it",
                (unsigned long long)c->id);
         pb_conn_close(c);
         return;

@@ -54,6 +54,13 @@
  *   buffers     the shared-memory buffers this connection registered
  *               (buffer.h): its own, unusable from any other connection,
  *               dropped when it closes.
+ *   log lines   what a client's messages make the daemon log (a bad
+ *               notification, a refused drain, a dropped fd) goes through
+ *               pb_conn_log: PB_CONN_LOG_BURST lines a minute per
+ *               connection; past that lines are counted, and the count is
+ *               logged with the next minute's first line and at close.
+ *               Debug lines (one per failed request, asked for) are not
+ *               limited.
  *
  * Ownership: the connection set (pb_conns_t, embedded in the server) owns
  * its connections; conn.c allocates each one at accept and frees it when
@@ -84,6 +91,9 @@
 
 /* Passed fds a connection holds for messages not yet complete. */
 #define PB_CONN_MAX_FDS 16
+/* Lines one connection may have logged a minute (glossary: log lines). */
+#define PB_CONN_LOG_BURST 3
+#define PB_CONN_LOG_WINDOW_MS 60000
 
 typedef struct pb_conn pb_conn_t;
 
@@ -178,6 +188,13 @@ struct pb_conn {
     int msg_fds[PB_CONN_MAX_FDS];  /* the fds of the message being served; */
     int msg_nfds;                  /* one taken is -1 */
     pb_buffers_t buffers;
+    /* pb_conn_log's budget: lines logged in the window that began at
+     * log_window (loop ms); lines not logged since the last count said so,
+     * and the most severe level among them. */
+    uint64_t log_window;
+    unsigned log_lines;
+    uint64_t log_dropped;
+    int log_dropped_level;
 };
 
 /* ---- the set (the server's side) ----------------------------------------- */
@@ -206,6 +223,9 @@ void pb_conns_flush(pb_conns_t *s);
 void pb_conn_send(pb_conn_t *c, pb_out_t *o);
 void pb_conn_close(pb_conn_t *c);
 void pb_conn_unref(pb_conn_t *c);
+/* Log a line caused by c's messages, within c's budget (glossary: log
+ * lines); fmt says which connection, as pb_log's lines do. */
+void pb_conn_log(pb_conn_t *c, int level, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* A request of c finished and gave back the reserved bytes it held:
  * resume reading if it was paused. */
 void pb_conn_request_done(pb_conn_t *c, size_t reserved);

@@ -3,6 +3,8 @@
 Each test starts its own daemon ($PULLBACKD_BIN) with stderr to a file it
 reads, as an operator reads the journal:
 
+- the lines one client can make the daemon log are bounded per
+  connection (100,000 bad notifications, 2,000 refused drains);
 - max-buffered-bytes-per-uid defaults to half of the max-buffered-bytes in
   force (flags, file, reload), and one above the total is warned about;
 - a socket whose directory is missing is reported as that;
@@ -30,6 +32,9 @@ import msgpack  # noqa: E402
 from daemon_case import wait_for_socket  # noqa: E402
 
 DAEMON = os.environ.get("PULLBACKD_BIN", "build/daemon/pullbackd")
+NOBODY = 65534
+# daemon/conn.h's PB_CONN_LOG_BURST: lines a connection may cause a minute.
+LOG_BURST = 3
 
 
 class Daemon:
@@ -128,6 +133,56 @@ class Ops(unittest.TestCase):
         d = Daemon(self.dir, *args, **kw)
         self.daemons.append(d)
         return d
+
+    # ---- log lines a client causes ---------------------------------------
+
+    def test_bad_notifications_log_bounded(self):
+        """100,000 bad notifications in one write: a few lines and a count,
+        not a line each (each was logged at notice)."""
+        d = self.start("--log-level", "info")
+        n = 100000
+        with connect(d.sock) as s:
+            s.sendall(msgpack.packb([2, "x"]) * n + msgpack.packb([0, 1, "hello", [{}]]))
+            (reply,) = read_replies(s, 1)
+            self.assertEqual(reply[1], 1)
+            self.assertIsNone(reply[2])
+        d.wait_log(" closed (uid ")
+        self.assertEqual(d.stop(), 0)
+        logged = d.lines("bad notification dropped")
+        self.assertEqual(len(logged), LOG_BURST, "\n".join(logged[:10]))
+        count = d.lines(f"{n - LOG_BURST} more lines about its messages not logged")
+        self.assertEqual(len(count), 1, d.text()[-2000:])
+        self.assertTrue(count[0].startswith("<5>"), count[0])  # at the level of what it counts
+        self.assertLess(len(d.text().splitlines()), 20)
+
+    @unittest.skipUnless(os.geteuid() == 0, "needs root to connect as another uid")
+    def test_refused_drains_log_bounded(self):
+        """drain and shutdown from a uid that may not: refused each time,
+        logged a few times and then counted (each was logged at warning)."""
+        d = self.start("--log-level", "info", "--socket-mode", "0666")
+        n = 2000
+        pid = os.fork()
+        if pid == 0:
+            code = 3
+            try:
+                os.setgroups([])
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                with connect(d.sock) as s:
+                    s.sendall(b"".join(msgpack.packb([0, i, "drain" if i % 2 else "shutdown", [{}]])
+                                       for i in range(n)))
+                    replies = read_replies(s, n)
+                code = 0 if len(replies) == n and all(r[2]["code"] == "permission_denied" for r in replies) else 1
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        self.assertEqual(os.waitstatus_to_exitcode(status), 0, "the refusals were not all permission_denied")
+        d.wait_log(f"closed (uid {NOBODY}")
+        self.assertEqual(d.stop(), 0)
+        self.assertEqual(len(d.lines(f"refused for uid {NOBODY}")), LOG_BURST)
+        count = d.lines(f"{n - LOG_BURST} more lines about its messages not logged")
+        self.assertEqual(len(count), 1, d.text()[-2000:])
+        self.assertTrue(count[0].startswith("<4>"), count[0])
 
     # ---- settings --------------------------------------------------------
 
