@@ -128,7 +128,7 @@ static const pb_setting_t keys[] = {
     {"max-connections-per-uid", PB_SET_SIZE, FIELD(max_connections_per_uid), "1024", 1, 0, true,
      "max_connections_per_uid", "N", "open connections of one uid"},
     {"drain-timeout", PB_SET_SECONDS, FIELD(drain_timeout_s), "30", 0, 1000000000, true, NULL, "S",
-     "seconds to finish in-flight work on SIGTERM"},
+     "seconds to finish in-flight work on SIGTERM; then the\ndaemon exits without waiting for its workers"},
     {"memory-cache", PB_SET_SIZE, FIELD(memory_cache_bytes), NULL, 0, 0, true, NULL, "N",
      "freed tensor and message memory kept mapped for reuse\n(default: an eighth of the memory, 0: none)"},
     {"idle-trim", PB_SET_SECONDS, FIELD(idle_trim_s), "10", 0, 1000000000, true, NULL, "S",

@@ -86,6 +86,19 @@ static void on_shutdown(void *data)
     pb_server_stop(data);
 }
 
+/* Stop waiting for what is in flight: the drain timeout passed.  The
+ * connections close now; requests still running on the workers are not
+ * waited for (pb_server_abandoned). */
+static void abandon(pb_server_t *s, const char *why)
+{
+    pb_log(PB_LOG_WARNING, "%s: %llu requests still in flight are abandoned", why,
+           (unsigned long long)s->rpc.requests_in_flight);
+    s->rpc.requests_in_flight = 0;
+    s->drain_expired = true;
+    uv_timer_stop(&s->drain_timer);
+    pb_server_maybe_finish(s);
+}
+
 static void on_signal(uv_signal_t *h, int sig)
 {
     pb_log(PB_LOG_NOTICE, "signal %d: draining and stopping", sig);
@@ -129,12 +142,7 @@ static void on_watchdog(uv_timer_t *t)
 
 static void on_drain_timeout(uv_timer_t *t)
 {
-    pb_server_t *s = t->data;
-    pb_log(PB_LOG_WARNING, "drain timeout: %llu requests still in flight are abandoned",
-           (unsigned long long)s->rpc.requests_in_flight);
-    s->rpc.requests_in_flight = 0;
-    s->drain_expired = true;
-    pb_server_maybe_finish(s);
+    abandon(t->data, "drain timeout");
 }
 
 static void on_unmapped(void *conns)
@@ -442,6 +450,16 @@ void pb_server_maybe_finish(pb_server_t *s)
 static void close_cb_noop(uv_handle_t *h)
 {
     (void)h;
+}
+
+int pb_server_abandoned(pb_server_t *s)
+{
+    if (!s->drain_expired)
+        return 0;
+    int n = pb_pool_running(&s->rpc.pool);
+    if (n > 0)
+        pb_log(PB_LOG_WARNING, "exiting without waiting for the %d requests still running on the workers", n);
+    return n;
 }
 
 void pb_server_destroy(pb_server_t *s)

@@ -5,6 +5,8 @@ reads, as an operator reads the journal:
 
 - the lines one client can make the daemon log are bounded per
   connection (100,000 bad notifications, 2,000 refused drains);
+- --drain-timeout bounds the stop even while a worker is stuck in LAPACK
+  (tests/lapack_fault.c's "hang", preloaded);
 - max-buffered-bytes-per-uid defaults to half of the max-buffered-bytes in
   force (flags, file, reload), and one above the total is warned about;
 - a socket whose directory is missing is reported as that;
@@ -29,12 +31,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "python"))
 
 import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
 from daemon_case import wait_for_socket  # noqa: E402
 
 DAEMON = os.environ.get("PULLBACKD_BIN", "build/daemon/pullbackd")
+FAULT_LIB = os.environ.get("PB_LAPACK_FAULT_LIB", "")
 NOBODY = 65534
 # daemon/conn.h's PB_CONN_LOG_BURST: lines a connection may cause a minute.
 LOG_BURST = 3
+
+
+def hang_env(spec):
+    """A daemon whose LAPACK calls named by spec never return."""
+    return {"LD_PRELOAD": FAULT_LIB, "PB_LAPACK_FAULT": spec,
+            # an ASan daemon: the module (which links the ASan runtime) comes first
+            "ASAN_OPTIONS": ":".join(filter(None, [os.environ.get("ASAN_OPTIONS"), "verify_asan_link_order=0"]))}
 
 
 class Daemon:
@@ -118,6 +129,12 @@ def call(path, method, params=None):
     return reply[3]
 
 
+def eig_request(n, msgid=1):
+    A = np.random.default_rng(n).random((n, n))
+    return msgpack.packb([0, msgid, "forward", [{"op": "eig_full", "inputs": {
+        "A": {"dtype": "f64", "shape": [n, n], "data": A.tobytes()}}}]])
+
+
 class Ops(unittest.TestCase):
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="pbops")
@@ -183,6 +200,55 @@ class Ops(unittest.TestCase):
         count = d.lines(f"{n - LOG_BURST} more lines about its messages not logged")
         self.assertEqual(len(count), 1, d.text()[-2000:])
         self.assertTrue(count[0].startswith("<4>"), count[0])
+
+    # ---- stopping --------------------------------------------------------
+
+    def stuck_request(self, d):
+        """A connection whose eig_full is stuck in dgeev on a worker."""
+        s = connect(d.sock)
+        s.sendall(eig_request(64))
+        time.sleep(1)  # read, dispatched, and in dgeev by now
+        self.assertIsNone(d.proc.poll())
+        return s
+
+    @unittest.skipUnless(os.path.exists(FAULT_LIB), "no PB_LAPACK_FAULT_LIB: the LAPACK module was not built")
+    def test_drain_timeout_bounds_the_stop(self):
+        """Past --drain-timeout the daemon exits (0), its socket file gone and
+        systemd told STOPPING=1, without waiting for a worker stuck in LAPACK
+        (it waited for the computation to end)."""
+        notify = os.path.join(self.dir, "notify")
+        ns = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        ns.bind(notify)
+        env = {**hang_env("dgeev/64=hang"), "NOTIFY_SOCKET": notify}
+        d = self.start("--drain-timeout", "1", "--log-level", "info", env=env)
+        s = self.stuck_request(d)
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = d.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.fail("the daemon was still waiting for its worker 15 s after SIGTERM with --drain-timeout 1:\n"
+                      + d.text())
+        elapsed = time.monotonic() - t0
+        self.assertEqual(rc, 0, d.text())
+        self.assertLess(elapsed, 4, d.text())
+        self.assertGreater(elapsed, 0.9)
+        self.assertFalse(os.path.exists(d.sock), "the socket file was left behind")
+        self.assertEqual(s.recv(100), b"")  # closed, unanswered
+        s.close()
+        text = d.text()
+        self.assertIn("drain timeout: 1 requests still in flight are abandoned", text)
+        self.assertIn("exiting without waiting for the 1 requests still running on the workers", text)
+        self.assertIn("<5>stopped", text)
+        ns.setblocking(False)
+        notes = []
+        try:
+            while True:
+                notes.append(ns.recv(4096).decode())
+        except BlockingIOError:
+            pass
+        ns.close()
+        self.assertTrue(any("STOPPING=1" in n for n in notes), notes)
 
     # ---- settings --------------------------------------------------------
 
