@@ -86,9 +86,15 @@ static void on_shutdown(void *data)
     pb_server_stop(data);
 }
 
-/* Stop waiting for what is in flight: the drain timeout passed.  The
- * connections close now; requests still running on the workers are not
- * waited for (pb_server_abandoned). */
+/* Seconds of --drain-timeout left (the drain timer's). */
+static double drain_left_s(pb_server_t *s)
+{
+    return (double)uv_timer_get_due_in(&s->drain_timer) / 1000.0;
+}
+
+/* Stop waiting for what is in flight: the drain timeout passed, or a
+ * third signal came.  The connections close now; requests still running
+ * on the workers are not waited for (pb_server_abandoned). */
 static void abandon(pb_server_t *s, const char *why)
 {
     pb_log(PB_LOG_WARNING, "%s: %llu requests still in flight are abandoned", why,
@@ -99,10 +105,27 @@ static void abandon(pb_server_t *s, const char *why)
     pb_server_maybe_finish(s);
 }
 
+/* SIGTERM or SIGINT drains; a second one during the drain says what a
+ * third does, and a third stops at once (as the drain timeout would). */
 static void on_signal(uv_signal_t *h, int sig)
 {
-    pb_log(PB_LOG_NOTICE, "signal %d: draining and stopping", sig);
-    pb_server_stop(h->data);
+    pb_server_t *s = h->data;
+    if (!s->stopping) {
+        pb_log(PB_LOG_NOTICE, "signal %d: draining and stopping", sig);
+        pb_server_stop(s);
+        return;
+    }
+    if (s->stopped || s->drain_expired)
+        return;
+    if (++s->stop_signals == 1) {
+        pb_log(PB_LOG_NOTICE, "signal %d: already draining (%llu requests in flight, at most %g s more); "
+               "a third signal stops at once", sig, (unsigned long long)s->rpc.requests_in_flight,
+               drain_left_s(s));
+        return;
+    }
+    char why[64];
+    snprintf(why, sizeof why, "signal %d a third time", sig);
+    abandon(s, why);
 }
 
 static void on_sighup(uv_signal_t *h, int sig)

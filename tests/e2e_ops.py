@@ -6,7 +6,8 @@ reads, as an operator reads the journal:
 - the lines one client can make the daemon log are bounded per
   connection (100,000 bad notifications, 2,000 refused drains);
 - --drain-timeout bounds the stop even while a worker is stuck in LAPACK
-  (tests/lapack_fault.c's "hang", preloaded);
+  (tests/lapack_fault.c's "hang", preloaded); a second SIGTERM says what
+  a third does, and a third stops at once;
 - max-buffered-bytes-per-uid defaults to half of the max-buffered-bytes in
   force (flags, file, reload), and one above the total is warned about;
 - a socket whose directory is missing is reported as that;
@@ -249,6 +250,28 @@ class Ops(unittest.TestCase):
             pass
         ns.close()
         self.assertTrue(any("STOPPING=1" in n for n in notes), notes)
+
+    @unittest.skipUnless(os.path.exists(FAULT_LIB), "no PB_LAPACK_FAULT_LIB: the LAPACK module was not built")
+    def test_second_and_third_signal(self):
+        """The second SIGTERM during a drain says what a third does and
+        changes nothing; the third stops at once (exit 0)."""
+        d = self.start("--drain-timeout", "120", "--log-level", "info", env=hang_env("dgeev/64=hang"))
+        s = self.stuck_request(d)
+        d.proc.send_signal(signal.SIGTERM)
+        d.wait_log("signal 15: draining and stopping")
+        d.proc.send_signal(signal.SIGINT)
+        d.wait_log("signal 2: already draining (1 requests in flight")
+        self.assertIn("a third signal stops at once", d.text())
+        time.sleep(0.5)
+        self.assertIsNone(d.proc.poll(), "the second signal stopped the daemon")
+        t0 = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        rc = d.proc.wait(15)
+        self.assertEqual(rc, 0, d.text())
+        self.assertLess(time.monotonic() - t0, 4)
+        self.assertIn("signal 15 a third time: 1 requests still in flight are abandoned", d.text())
+        self.assertFalse(os.path.exists(d.sock))
+        s.close()
 
     # ---- settings --------------------------------------------------------
 
