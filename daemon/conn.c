@@ -8,6 +8,7 @@
 #include <string.h>
 #include <poll.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -553,6 +554,35 @@ static void last_read(pb_conn_t *c)
     pb_conn_unref(c);
 }
 
+/* A line about the file-descriptor limit, or about accept: at most one
+ * every PB_CONNS_FD_WARN_MS, saying how many were not logged. */
+static void fd_warn(pb_conns_t *s, const char *what)
+{
+    uint64_t now = uv_now(s->loop);
+    if (s->fd_warned && now - s->fd_warned < PB_CONNS_FD_WARN_MS) {
+        s->fd_unsaid++;
+        return;
+    }
+    char more[64] = "";
+    if (s->fd_unsaid)
+        snprintf(more, sizeof more, " (and %llu more times since the last line)", (unsigned long long)s->fd_unsaid);
+    pb_log(PB_LOG_WARNING, "%s%s", what, more);
+    s->fd_warned = now ? now : 1;
+    s->fd_unsaid = 0;
+}
+
+void pb_conns_accept_failed(pb_conns_t *s, int status)
+{
+    char what[300];
+    if (status == UV_EMFILE || status == UV_ENFILE)
+        snprintf(what, sizeof what, "accept: %s: a new connection was closed unanswered (file-descriptor limit %llu; "
+                 "raise LimitNOFILE= or lower max-connections-per-uid)", uv_strerror(status),
+                 (unsigned long long)s->fd_limit);
+    else
+        snprintf(what, sizeof what, "accept: %s", uv_strerror(status));
+    fd_warn(s, what);
+}
+
 void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
 {
     pb_conn_t *c = calloc(1, sizeof *c);
@@ -580,6 +610,16 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     bool have_fd = uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0;
     if (have_fd)
         setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
+    /* The kernel gives the lowest free number: one this high means about
+     * that many are open. */
+    if (have_fd && (uint64_t)fd + PB_CONNS_FD_MARGIN >= s->fd_limit) {
+        char what[300];
+        snprintf(what, sizeof what, "connection %llu has file descriptor %d of the %llu this process may open "
+                 "(RLIMIT_NOFILE): past the limit new connections are closed unanswered; raise LimitNOFILE= or "
+                 "lower max-connections-per-uid", (unsigned long long)c->id, fd,
+                 (unsigned long long)s->fd_limit);
+        fd_warn(s, what);
+    }
     if (have_fd && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0) {
         c->uid = cr.uid;
         c->pid = cr.pid;
@@ -816,6 +856,8 @@ void pb_conns_flush(pb_conns_t *s)
 void pb_conns_init(pb_conns_t *s, uv_loop_t *loop, const pb_config_t *cfg, pb_conn_cbs_t cb)
 {
     *s = (pb_conns_t){.loop = loop, .cfg = cfg, .cb = cb};
+    struct rlimit r;
+    s->fd_limit = getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur != RLIM_INFINITY ? (uint64_t)r.rlim_cur : UINT64_MAX;
     pb__conns_budget_init(s);
 }
 

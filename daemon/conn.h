@@ -89,6 +89,10 @@
 #include "config.h"
 #include "tape.h"
 
+/* A connection given a file descriptor this close to the limit makes the
+ * set warn that the next ones will be reset (glossary of pb_conns_t). */
+#define PB_CONNS_FD_MARGIN 32
+#define PB_CONNS_FD_WARN_MS 10000
 /* Passed fds a connection holds for messages not yet complete. */
 #define PB_CONN_MAX_FDS 16
 /* Lines one connection may have logged a minute (glossary: log lines). */
@@ -139,6 +143,14 @@ typedef struct pb_conns {
     size_t nuids, capuids;
     uint64_t next_id;
     bool stopping;                 /* SIGTERM: messages past drain_left are late */
+    /* The file-descriptor limit (RLIMIT_NOFILE's soft limit, read at
+     * init): past it libuv resets the connections it cannot accept and
+     * says nothing (its EMFILE trick), so the set says it, at most once
+     * every PB_CONNS_FD_WARN_MS (fd_warned, loop ms), counting the rest
+     * (fd_unsaid). */
+    uint64_t fd_limit;
+    uint64_t fd_warned;
+    uint64_t fd_unsaid;
 } pb_conns_t;
 
 struct pb_conn {
@@ -202,6 +214,9 @@ struct pb_conn {
 void pb_conns_init(pb_conns_t *s, uv_loop_t *loop, const pb_config_t *cfg, pb_conn_cbs_t cb);
 /* Accept one client from listener. */
 void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener);
+/* The listener's accept failed with status (a libuv error): log it, at
+ * most once every PB_CONNS_FD_WARN_MS. */
+void pb_conns_accept_failed(pb_conns_t *s, int status);
 /* SIGTERM: what each client sent before now (buffered here or waiting in
  * its socket) is served normally; what comes later is late. */
 void pb_conns_stop(pb_conns_t *s);

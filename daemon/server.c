@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -21,7 +22,7 @@ static void on_connection(uv_stream_t *l, int status)
 {
     pb_server_t *s = l->data;
     if (status < 0) {
-        pb_log(PB_LOG_WARNING, "accept: %s", uv_strerror(status));
+        pb_conns_accept_failed(&s->conns, status);
         return;
     }
     pb_conns_accept(&s->conns, l);
@@ -168,6 +169,35 @@ static void on_drain_timeout(uv_timer_t *t)
     abandon(t->data, "drain timeout");
 }
 
+/* Each connection takes a file descriptor, and so does each memfd a
+ * client passes: the soft limit (1024 on most systems) goes up to the
+ * hard one, which systemd's LimitNOFILE= sets.  Called before the
+ * connection set reads the limit. */
+static void raise_fd_limit(const pb_config_t *cfg)
+{
+    struct rlimit r;
+    if (getrlimit(RLIMIT_NOFILE, &r) != 0)
+        return;
+    rlim_t was = r.rlim_cur;
+    if (r.rlim_cur != r.rlim_max) {
+        r.rlim_cur = r.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &r) != 0) {
+            pb_log(PB_LOG_WARNING, "file descriptors: cannot raise the soft limit %llu to the hard limit %llu: %s",
+                   (unsigned long long)was, (unsigned long long)r.rlim_max, strerror(errno));
+            r.rlim_cur = was;
+        }
+    }
+    if (r.rlim_cur != was)
+        pb_log(PB_LOG_INFO, "file descriptors: at most %llu open (soft limit raised from %llu)",
+               (unsigned long long)r.rlim_cur, (unsigned long long)was);
+    else
+        pb_log(PB_LOG_INFO, "file descriptors: at most %llu open", (unsigned long long)r.rlim_cur);
+    if (r.rlim_cur != RLIM_INFINITY && r.rlim_cur < cfg->max_connections_per_uid + PB_CONNS_FD_MARGIN)
+        pb_log(PB_LOG_NOTICE, "file descriptors: the limit (%llu) is below max-connections-per-uid (%zu) and what "
+               "the daemon needs besides: connections past it are closed unanswered (raise LimitNOFILE=)",
+               (unsigned long long)r.rlim_cur, cfg->max_connections_per_uid);
+}
+
 static void on_unmapped(void *conns)
 {
     pb_conns_memory_back(conns);
@@ -185,6 +215,7 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     pb_blas_init_threads(1);
     pb_mem_set_cap(s->cfg.memory_cache_bytes);
     pb_offloop_start(loop);
+    raise_fd_limit(&s->cfg);
     pb_conns_init(&s->conns, loop, &s->cfg,
                   (pb_conn_cbs_t){.on_message = on_message, .on_close = on_conn_close, .on_idle = on_idle,
                                   .data = s});

@@ -8,6 +8,8 @@ reads, as an operator reads the journal:
 - --drain-timeout bounds the stop even while a worker is stuck in LAPACK
   (tests/lapack_fault.c's "hang", preloaded); a second SIGTERM says what
   a third does, and a third stops at once;
+- the soft file-descriptor limit is raised to the hard one, and a daemon
+  that runs out of descriptors says so;
 - max-buffered-bytes-per-uid defaults to half of the max-buffered-bytes in
   force (flags, file, reload), and one above the total is warned about;
 - a socket whose directory is missing is reported as that;
@@ -272,6 +274,46 @@ class Ops(unittest.TestCase):
         self.assertIn("signal 15 a third time: 1 requests still in flight are abandoned", d.text())
         self.assertFalse(os.path.exists(d.sock))
         s.close()
+
+    # ---- file descriptors ------------------------------------------------
+
+    def test_fd_soft_limit_raised(self):
+        """The soft RLIMIT_NOFILE goes up to the hard one, and the log says so."""
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        if hard != resource.RLIM_INFINITY and hard <= 64:
+            self.skipTest(f"the hard limit is {hard}")
+        d = self.start("--log-level", "info", nofile=(64, hard))
+        with open(f"/proc/{d.proc.pid}/limits") as f:
+            row = next(l for l in f if l.startswith("Max open files")).split()
+        self.assertEqual(row[3], str(hard) if hard != resource.RLIM_INFINITY else "unlimited")
+        self.assertIn(f"file descriptors: at most {hard} open (soft limit raised from 64)", d.text())
+        self.assertEqual(d.stop(), 0)
+
+    def test_fd_limit_reached_is_logged(self):
+        """At a hard limit of 64 descriptors, the connections past it are
+        reset by libuv; the daemon says so instead of nothing."""
+        d = self.start("--log-level", "info", nofile=(64, 64))
+        self.assertIn("the limit (64) is below max-connections-per-uid (1024)", d.text())
+        socks = []
+        for _ in range(80):
+            s = connect(d.sock)
+            socks.append(s)
+            try:
+                s.sendall(msgpack.packb([0, 1, "hello", [{}]]))
+            except OSError:
+                pass  # reset already: the read below sees it
+        answered = 0
+        for s in socks:
+            try:
+                answered += len(read_replies(s, 1)) == 1
+            except OSError:
+                pass
+            s.close()
+        self.assertGreater(answered, 0)
+        self.assertLess(answered, 80)
+        d.wait_log("this process may open (RLIMIT_NOFILE): past the limit new connections are closed unanswered")
+        self.assertEqual(len(d.lines("RLIMIT_NOFILE")), 1)  # once per 10 s, however many
+        self.assertEqual(d.stop(), 0)
 
     # ---- settings --------------------------------------------------------
 
