@@ -162,9 +162,9 @@ static void m_admin(pb_req_t *r, const msgpack_object *params, bool shutdown)
     if (!pb__req_admin(r)) {
         pb_err_set(&r->err, PB_EPERMISSION_DENIED, NULL, "%s is allowed only for uid 0 and the daemon's uid %u",
                    shutdown ? "shutdown" : "drain", (unsigned)r->rpc->self_uid);
-        pb_log(PB_LOG_WARNING, "connection %llu: %s refused for uid %u, pid %d (permission_denied)",
-               (unsigned long long)pb_conn_id(r->conn), shutdown ? "shutdown" : "drain",
-               (unsigned)pb_conn_uid(r->conn), (int)pb_conn_pid(r->conn));
+        pb_conn_log(r->conn, PB_LOG_WARNING, "connection %llu: %s refused for uid %u, pid %d (permission_denied)",
+                    (unsigned long long)pb_conn_id(r->conn), shutdown ? "shutdown" : "drain",
+                    (unsigned)pb_conn_uid(r->conn), (int)pb_conn_pid(r->conn));
         return pb__req_fail(r, PB_EPERMISSION_DENIED);
     }
     r->rpc->draining = true;

@@ -17,10 +17,14 @@
 
 int pb_parse_size(const char *s, size_t *out)
 {
+    /* A digit first: strtoull would skip blanks and take a sign, and
+     * " -1" would wrap to 2^64 - 1. */
+    if (*s < '0' || *s > '9')
+        return -1;
     char *end;
     errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
-    if (errno || end == s || *s == '-')
+    if (errno)
         return -1;
     unsigned shift = 0;
     switch (*end) {
@@ -31,8 +35,12 @@ int pb_parse_size(const char *s, size_t *out)
     case 't': case 'T': shift = 40; end++; break;
     default: return -1;
     }
-    if (*end == 'i' || *end == 'B')
-        end += (*end == 'i') + (end[*end == 'i'] == 'B');
+    /* 4Gi, 4GiB and 4GB are 4G too (binary, as --help says); a bare
+     * number takes no letters. */
+    if (shift && *end == 'i')
+        end++;
+    if (shift && *end == 'B')
+        end++;
     if (*end || (shift && v > (SIZE_MAX >> shift)))
         return -1;
     *out = (size_t)(v << shift);
@@ -120,7 +128,7 @@ static const pb_setting_t keys[] = {
     {"max-connections-per-uid", PB_SET_SIZE, FIELD(max_connections_per_uid), "1024", 1, 0, true,
      "max_connections_per_uid", "N", "open connections of one uid"},
     {"drain-timeout", PB_SET_SECONDS, FIELD(drain_timeout_s), "30", 0, 1000000000, true, NULL, "S",
-     "seconds to finish in-flight work on SIGTERM"},
+     "seconds to finish in-flight work on SIGTERM; then the\ndaemon exits without waiting for its workers"},
     {"memory-cache", PB_SET_SIZE, FIELD(memory_cache_bytes), NULL, 0, 0, true, NULL, "N",
      "freed tensor and message memory kept mapped for reuse\n(default: an eighth of the memory, 0: none)"},
     {"idle-trim", PB_SET_SECONDS, FIELD(idle_trim_s), "10", 0, 1000000000, true, NULL, "S",
@@ -139,6 +147,13 @@ const pb_setting_t *pb_config_settings(size_t *n)
 }
 
 static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t errlen);
+
+/* The blanks of a line are those strtoull and strtod skip (isspace in the
+ * C locale): a value cannot begin with one the trim left, such as \f. */
+static bool blank(char ch)
+{
+    return ch == ' ' || ch == '\t' || ch == '\r' || ch == '\n' || ch == '\f' || ch == '\v';
+}
 
 size_t pb_config_phys_memory(void)
 {
@@ -161,10 +176,12 @@ static void defaults(pb_config_t *c)
     c->workers = ncpu > 0 ? (int)ncpu : 1;
     /* Buffering caps from the machine's memory: a quarter of it for all
      * connections (never under 512M, so that the default 256M message and
-     * its reply fit), half of that per uid. */
+     * its reply fit), half of the total per uid. */
     size_t mem = pb_config_phys_memory();
     c->max_buffered_bytes = mem / 4 > ((size_t)512 << 20) ? mem / 4 : (size_t)512 << 20;
-    c->max_buffered_bytes_per_uid = c->max_buffered_bytes / 2;
+    /* Unset (no value parses to 0): half of the total the file and the
+     * flags leave, once they are in (pb_config_load). */
+    c->max_buffered_bytes_per_uid = 0;
     /* Big blocks kept for reuse (kernels/mem.h): an eighth of the memory. */
     c->memory_cache_bytes = mem / 8;
 }
@@ -176,6 +193,13 @@ int pb_config_limits(const pb_config_t *c, pb_config_limit_t *out)
         if (keys[k].limit && keys[k].type == PB_SET_SIZE)
             out[n++] = (pb_config_limit_t){keys[k].limit, *(const size_t *)((const char *)c + keys[k].off)};
     return n;
+}
+
+void pb_config_warn(const pb_config_t *c)
+{
+    if (c->max_buffered_bytes_per_uid > c->max_buffered_bytes)
+        pb_log(PB_LOG_WARNING, "max-buffered-bytes-per-uid (%zu) is above max-buffered-bytes (%zu): the total binds "
+               "first, so one uid may take all of it", c->max_buffered_bytes_per_uid, c->max_buffered_bytes);
 }
 
 void pb_config_apply_reloadable(pb_config_t *to, const pb_config_t *from)
@@ -194,9 +218,17 @@ static int find_key(const char *name)
     return -1;
 }
 
+/* What was got is quoted as a client's names are (pb_quote): a config
+ * file's bytes may be any, and the line goes to the journal and to
+ * systemd's STATUS=. */
+static const char *quoted(pb_quoted_t *q, const char *got)
+{
+    return pb_quote(q, got, strlen(got));
+}
+
 static int bad(char *err, size_t errlen, const char *fmt, const char *got)
 {
-    snprintf(err, errlen, fmt, got);
+    snprintf(err, errlen, fmt, quoted(PB_QUOTED, got));
     return PB_EINVALID_ARGUMENT;
 }
 
@@ -205,29 +237,32 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
     const pb_setting_t *key = &keys[k];
     void *field = (char *)c + key->off;
     char *end;
+    /* strtol and strtod skip leading blanks (a flag may carry one, a
+     * file's line is trimmed): a number begins with what it is made of. */
+    bool lead = blank(*v);
     switch (key->type) {
     case PB_SET_PATH:
         if (*v == 0 || strlen(v) >= sizeof c->socket_path)
-            return bad(err, errlen, "expected a path of 1 to 107 bytes, got '%.200s'", v);
+            return bad(err, errlen, "expected a path of 1 to 107 bytes, got '%s'", v);
         snprintf(c->socket_path, sizeof c->socket_path, "%s", v);
         return 0;
     case PB_SET_MODE: {
         errno = 0;
         long m = strtol(v, &end, 8);
-        if (errno || end == v || *end || m < (long)key->min || m > (long)key->max)
-            return bad(err, errlen, "expected an octal mode such as 0660, got '%.200s'", v);
+        if (lead || errno || end == v || *end || m < (long)key->min || m > (long)key->max)
+            return bad(err, errlen, "expected an octal mode such as 0660, got '%s'", v);
         *(int *)field = (int)m;
         return 0;
     }
     case PB_SET_DEVICE:
         if (pb_device_parse(v, strlen(v), field))
-            return bad(err, errlen, "expected cpu, cuda or cuda:N, got '%.200s'", v);
+            return bad(err, errlen, "expected cpu, cuda or cuda:N, got '%s'", v);
         return 0;
     case PB_SET_INT: {
         errno = 0;
         long n = strtol(v, &end, 10);
-        if (errno || end == v || *end || n < (long)key->min || n > (long)key->max) {
-            snprintf(err, errlen, "expected %llu..%llu, got '%.200s'", key->min, key->max, v);
+        if (lead || errno || end == v || *end || n < (long)key->min || n > (long)key->max) {
+            snprintf(err, errlen, "expected %llu..%llu, got '%s'", key->min, key->max, quoted(PB_QUOTED, v));
             return PB_EINVALID_ARGUMENT;
         }
         *(int *)field = (int)n;
@@ -236,9 +271,9 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
     case PB_SET_SIZE: {
         size_t sz;
         if (pb_parse_size(v, &sz))
-            return bad(err, errlen, "expected a size such as 4096, 64K, 256M or 4G, got '%.200s'", v);
+            return bad(err, errlen, "expected a size such as 4096, 64K, 256M, 4G or 1T, got '%s'", v);
         if (sz < key->min) {
-            snprintf(err, errlen, "expected at least %llu, got '%.200s'", key->min, v);
+            snprintf(err, errlen, "expected at least %llu, got '%s'", key->min, quoted(PB_QUOTED, v));
             return PB_EINVALID_ARGUMENT;
         }
         *(size_t *)field = sz;
@@ -247,15 +282,15 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
     case PB_SET_SECONDS: {
         errno = 0;
         double s = strtod(v, &end);
-        if (errno || end == v || *end || !(s >= (double)key->min) || s > (double)key->max)
-            return bad(err, errlen, "expected seconds >= 0, got '%.200s'", v);
+        if (lead || errno || end == v || *end || !(s >= (double)key->min) || s > (double)key->max)
+            return bad(err, errlen, "expected seconds >= 0, got '%s'", v);
         *(double *)field = s;
         return 0;
     }
     case PB_SET_LOG: {
         int l = pb_log_parse_level(v);
         if (l < 0)
-            return bad(err, errlen, "expected error, warning, notice, info or debug, got '%.200s'", v);
+            return bad(err, errlen, "expected error, warning, notice, info or debug, got '%s'", v);
         *(int *)field = l;
         return 0;
     }
@@ -267,7 +302,7 @@ int pb_config_set(pb_config_t *c, const char *key, const char *value, char *err,
 {
     int k = find_key(key);
     if (k < 0)
-        return bad(err, errlen, "unknown setting '%.100s'", key);
+        return bad(err, errlen, "unknown setting '%s'", key);
     return set_index(c, k, value, err, errlen);
 }
 
@@ -307,10 +342,10 @@ void pb_config_diff(const pb_config_t *a, const pb_config_t *b,
 
 static char *trim(char *s)
 {
-    while (*s == ' ' || *s == '\t')
+    while (blank(*s))
         s++;
     size_t n = strlen(s);
-    while (n > 0 && (s[n - 1] == ' ' || s[n - 1] == '\t' || s[n - 1] == '\r' || s[n - 1] == '\n'))
+    while (n > 0 && blank(s[n - 1]))
         s[--n] = 0;
     return s;
 }
@@ -319,13 +354,13 @@ static char *trim(char *s)
 static int file_line(pb_config_t *c, char *s, unsigned skip_mask, int lineno, int *seen, char *err, size_t errlen)
 {
     for (char *h = s + 1; *h; h++)
-        if (*h == '#' && (h[-1] == ' ' || h[-1] == '\t')) {
+        if (*h == '#' && blank(h[-1])) {
             *h = 0;
             break;
         }
     char *eq = strchr(s, '=');
     if (eq == NULL)
-        return bad(err, errlen, "expected 'key = value', got '%.100s'", s);
+        return bad(err, errlen, "expected 'key = value', got '%s'", s);
     *eq = 0;
     char *name = trim(s), *value = trim(eq + 1);
     for (char *p = name; *p; p++)
@@ -334,7 +369,7 @@ static int file_line(pb_config_t *c, char *s, unsigned skip_mask, int lineno, in
     int k = find_key(name);
     if (k < 0)
         return bad(err, errlen,
-                   "unknown key '%.100s' (keys are the long flags without --, such as max-tape-bytes)", name);
+                   "unknown key '%s' (keys are the long flags without --, such as max-tape-bytes)", name);
     if (seen[k]) {
         snprintf(err, errlen, "%s: given twice (first on line %d)", keys[k].name, seen[k]);
         return PB_EINVALID_ARGUMENT;
@@ -377,7 +412,10 @@ int pb_config_read_file(pb_config_t *c, const char *path, bool required, unsigne
     int rc = bad ? PB_EINVALID_ARGUMENT : 0, lineno = 0;
     if (bad)
         snprintf(err, errlen, "%.200s: %s", path, bad);
-    for (size_t at = 0; rc == 0 && at < len;) {
+    /* A byte-order mark, as some Windows editors write one: not part of
+     * the first key. */
+    size_t at = rc == 0 && len >= 3 && memcmp(text, "\xef\xbb\xbf", 3) == 0 ? 3 : 0;
+    while (rc == 0 && at < len) {
         char *line = text + at, *nl = memchr(line, '\n', len - at);
         size_t n = nl ? (size_t)(nl - line) : len - at;
         at += n + 1;
@@ -447,8 +485,9 @@ static void usage(void)
     }
     print_flag("version", "print the version and exit");
     print_flag("help", "print this help and exit");
-    fputs("Sizes take K, M, G suffixes (binary).  SIGHUP reloads the file: the other settings\n"
-          "change in place; these need a restart:", stdout);
+    fputs("Sizes are bytes or take a K, M, G or T suffix (binary: 1K is 1024; KiB, Ki and KB\n"
+          "mean the same).  SIGHUP reloads the file: the other settings change in place;\n"
+          "these need a restart:", stdout);
     const char *sep = " ";
     for (int k = 0; k < NKEYS; k++)
         if (!keys[k].reloadable) {
@@ -469,14 +508,41 @@ static void make_options(struct option *o)
     o[NKEYS + 3] = (struct option){0, 0, 0, 0};
 }
 
-int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_file, char *err, size_t errlen)
+/* getopt_long returns '?' both for an unknown option and for an
+ * abbreviation of several (glibc tells them apart only in the message
+ * opterr would print): say which. */
+static int bad_option(const struct option *opts, const char *arg, char *err, size_t errlen)
+{
+    if (strncmp(arg, "--", 2) == 0) {
+        const char *name = arg + 2;
+        size_t len = strcspn(name, "=");
+        char could[300] = "";
+        size_t at = 0;
+        int n = 0;
+        for (const struct option *o = opts; o->name && len > 0; o++)
+            if (strncmp(o->name, name, len) == 0 && at < sizeof could) {
+                at += (size_t)snprintf(could + at, sizeof could - at, "%s--%s", n ? ", " : "", o->name);
+                n++;
+            }
+        if (n > 1) {
+            snprintf(err, errlen, "ambiguous option '--%s': could be %s", pb_quote(PB_QUOTED, name, len), could);
+            return PB_EINVALID_ARGUMENT;
+        }
+    }
+    return bad(err, errlen, "unknown option '%s' (see --help)", arg);
+}
+
+/* pb_config_load, and pb_config_reload with default_required when the
+ * default file was read before. */
+static int load(pb_config_t *out, int argc, char **argv, const char *default_file, bool default_required,
+                char *err, size_t errlen)
 {
     pb_config_t c;
     defaults(&c);
     struct option opts[NKEYS + 4];
     make_options(opts);
     const char *file = default_file;
-    bool required = false;
+    bool required = default_required;
     unsigned flags = 0;
     int ch;
     /* First pass: where the file is, and which settings the flags take
@@ -487,7 +553,7 @@ int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_
         if (ch == ':')
             return bad(err, errlen, "%s: missing value", argv[optind - 1]);
         if (ch == '?')
-            return bad(err, errlen, "unknown option '%.100s' (see --help)", argv[optind - 1]);
+            return bad_option(opts, argv[optind - 1], err, errlen);
         if (ch == O_HELP) {
             usage();
             return 1;
@@ -504,7 +570,7 @@ int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_
         }
     }
     if (optind < argc)
-        return bad(err, errlen, "unexpected argument '%.100s'", argv[optind]);
+        return bad(err, errlen, "unexpected argument '%s'", argv[optind]);
     if (file && *file) {
         int rc = pb_config_read_file(&c, file, required, flags, err, errlen);
         if (rc)
@@ -524,6 +590,8 @@ int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_
         }
     }
     optind = 1;
+    if (c.max_buffered_bytes_per_uid == 0)
+        c.max_buffered_bytes_per_uid = c.max_buffered_bytes / 2;
     if (c.socket_path[0] == 0 && default_socket(c.socket_path, sizeof c.socket_path)) {
         snprintf(err, errlen, "the socket path from the environment is longer than %zu bytes; use --socket",
                  sizeof c.socket_path - 1);
@@ -531,4 +599,16 @@ int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_
     }
     *out = c;
     return 0;
+}
+
+int pb_config_load(pb_config_t *out, int argc, char **argv, const char *default_file, char *err, size_t errlen)
+{
+    return load(out, argc, argv, default_file, false, err, errlen);
+}
+
+int pb_config_reload(pb_config_t *out, const pb_config_t *cur, int argc, char **argv, const char *default_file,
+                     char *err, size_t errlen)
+{
+    bool was_read = default_file && cur->config_file[0] && strcmp(cur->config_file, default_file) == 0;
+    return load(out, argc, argv, default_file, was_read, err, errlen);
 }

@@ -6,10 +6,12 @@
  * accepted too).  The file is /etc/pullbackd/pullbackd.conf unless
  * `--config PATH` names another: one `key = value` per line, blank lines and
  * lines starting with `#` ignored, and a `#` after a blank starts a trailing
- * comment.  A missing default file is no error; a missing --config file, an
- * unknown key, a key given twice or a bad value is.  Precedence: flags over
- * the file over the built-in defaults; a `socket` key in the file counts as
- * --socket (above $PULLBACKD_SOCKET and the rest of the chain).
+ * comment.  A missing default file is no error at start; a missing --config
+ * file, an unknown key, a key given twice or a bad value is, and so is, at a
+ * reload, a default file that was read before and is gone.  Precedence:
+ * flags over the file over the built-in defaults; a `socket` key in the
+ * file counts as --socket (above $PULLBACKD_SOCKET and the rest of the
+ * chain).
  *
  * Reloading (SIGHUP) runs the same load again, flags still winning, and
  * applies only the reloadable settings: the limits, --drain-timeout and
@@ -64,6 +66,12 @@ typedef struct pb_config {
  * one-line reason in err (never printed) for a bad flag, a missing
  * --config file or a bad file.  c is written only on success. */
 int pb_config_load(pb_config_t *c, int argc, char **argv, const char *default_file, char *err, size_t errlen);
+/* A SIGHUP's load: as pb_config_load, but when cur's settings came from
+ * the default file, that file is required: one gone since is an error
+ * (the running settings stay), not every setting back to its default.
+ * A default file missing at start may still be missing, or appear. */
+int pb_config_reload(pb_config_t *c, const pb_config_t *cur, int argc, char **argv, const char *default_file,
+                     char *err, size_t errlen);
 /* Apply the settings of the file at path over c.  A missing file is
  * PB_EINVALID_ARGUMENT when required, else 0 with c untouched.  Errors say
  * "PATH:LINE: key: why" in err; c is then partly updated, so parse into a
@@ -116,13 +124,18 @@ size_t pb_config_phys_memory(void);
 /* Fill out (PB_CONFIG_MAX_LIMITS entries) with c's limits; their count. */
 int pb_config_limits(const pb_config_t *c, pb_config_limit_t *out);
 
+/* Log (warning) what a load accepts but an operator hardly means: a
+ * per-uid buffering cap above the total. */
+void pb_config_warn(const pb_config_t *c);
+
 /* A reload: copy the reloadable settings of from into to, and the name of
  * the file they came from; the others stay as they are. */
 void pb_config_apply_reloadable(pb_config_t *to, const pb_config_t *from);
 
 /* Parse "cpu", "cuda", "cuda:N" into d; 0, or PB_EINVALID_ARGUMENT. */
 int pb_device_parse(const char *s, size_t len, pb_device_t *d);
-/* Parse "123", "64K", "256M", "4G" (binary units). */
+/* Parse "123", "64K", "256M", "4G", "1T" (binary units; "4Gi", "4GiB"
+ * and "4GB" are 4G too): digits first, no blank or sign.  0, or -1. */
 int pb_parse_size(const char *s, size_t *out);
 
 #endif

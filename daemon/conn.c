@@ -8,6 +8,7 @@
 #include <string.h>
 #include <poll.h>
 #include <sys/ioctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -90,11 +91,50 @@ static void unlink_conn(pb_conn_t *c)
     }
 }
 
+/* How many lines c did not log, at the most severe of their levels. */
+static void log_dropped(pb_conn_t *c)
+{
+    if (c->log_dropped == 0)
+        return;
+    pb_log(c->log_dropped_level, "connection %llu (uid %u, pid %d): %llu more lines about its messages not logged "
+           "(at most %d a minute per connection)", (unsigned long long)c->id, (unsigned)c->uid, (int)c->pid,
+           (unsigned long long)c->log_dropped, PB_CONN_LOG_BURST);
+    c->log_dropped = 0;
+    c->log_dropped_level = 0;
+}
+
+void pb_conn_log(pb_conn_t *c, int level, const char *fmt, ...)
+{
+    if (level > pb_log_level)
+        return;
+    if (level < PB_LOG_DEBUG) {
+        uint64_t now = uv_now(c->set->loop);
+        if (c->log_lines > 0 && now - c->log_window >= PB_CONN_LOG_WINDOW_MS) {
+            log_dropped(c);
+            c->log_lines = 0;
+        }
+        if (c->log_lines == 0)
+            c->log_window = now;
+        if (c->log_lines == PB_CONN_LOG_BURST) {
+            c->log_dropped++;
+            if (c->log_dropped_level == 0 || level < c->log_dropped_level)
+                c->log_dropped_level = level;
+            return;
+        }
+        c->log_lines++;
+    }
+    va_list ap;
+    va_start(ap, fmt);
+    pb_vlog(level, fmt, ap);
+    va_end(ap);
+}
+
 void pb_conn_close(pb_conn_t *c)
 {
     if (c->closing)
         return;
     c->closing = true;
+    log_dropped(c);
     pb_log(PB_LOG_INFO, "connection %llu closed (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
            (int)c->pid);
     c->set->cb.on_close(c, c->set->cb.data);
@@ -267,7 +307,7 @@ static void parse_error(pb_conn_t *c, const char *why, size_t limit)
                    why, limit);
     else
         pb_err_set(&err, PB_EPARSE, NULL, "%s; closing the connection", why);
-    pb_log(PB_LOG_NOTICE, "connection %llu: parse_error: %s", (unsigned long long)c->id, err.message);
+    pb_conn_log(c, PB_LOG_NOTICE, "connection %llu: parse_error: %s", (unsigned long long)c->id, err.message);
     answer_and_close(c, &err);
 }
 
@@ -280,7 +320,7 @@ void pb__conn_refuse(pb_conn_t *c, const char *limit, const char *fmt, ...)
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
     pb_err_set(&err, PB_ERESOURCE_EXHAUSTED, limit, "%s; closing the connection", why);
-    pb_log(PB_LOG_NOTICE, "connection %llu (uid %u): resource_exhausted: %s", (unsigned long long)c->id,
+    pb_conn_log(c, PB_LOG_NOTICE, "connection %llu (uid %u): resource_exhausted: %s", (unsigned long long)c->id,
            (unsigned)c->uid, why);
     /* Its incomplete message goes back to the system, unmapped off the
      * loop; until it is gone its bytes still count against
@@ -439,12 +479,13 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
     }
     if (nread < 0) {
         if (nread != UV_EOF)
-            pb_log(PB_LOG_INFO, "connection %llu: read: %s", (unsigned long long)c->id, uv_strerror((int)nread));
+            pb_conn_log(c, PB_LOG_INFO, "connection %llu: read: %s", (unsigned long long)c->id,
+                        uv_strerror((int)nread));
         pb_conn_close(c);
         return;
     }
     if (nread > 0 && uv_pipe_pending_count(&c->pipe) > 0 && !pb__conn_receive_fds(c, c->rx, c->rx + (uint64_t)nread)) {
-        pb_log(PB_LOG_WARNING, "connection %llu: out of memory for passed file descriptors; closing it",
+        pb_conn_log(c, PB_LOG_WARNING, "connection %llu: out of memory for passed file descriptors; closing it",
                (unsigned long long)c->id);
         pb_conn_close(c);
         return;
@@ -513,6 +554,35 @@ static void last_read(pb_conn_t *c)
     pb_conn_unref(c);
 }
 
+/* A line about the file-descriptor limit, or about accept: at most one
+ * every PB_CONNS_FD_WARN_MS, saying how many were not logged. */
+static void fd_warn(pb_conns_t *s, const char *what)
+{
+    uint64_t now = uv_now(s->loop);
+    if (s->fd_warned && now - s->fd_warned < PB_CONNS_FD_WARN_MS) {
+        s->fd_unsaid++;
+        return;
+    }
+    char more[64] = "";
+    if (s->fd_unsaid)
+        snprintf(more, sizeof more, " (and %llu more times since the last line)", (unsigned long long)s->fd_unsaid);
+    pb_log(PB_LOG_WARNING, "%s%s", what, more);
+    s->fd_warned = now ? now : 1;
+    s->fd_unsaid = 0;
+}
+
+void pb_conns_accept_failed(pb_conns_t *s, int status)
+{
+    char what[300];
+    if (status == UV_EMFILE || status == UV_ENFILE)
+        snprintf(what, sizeof what, "accept: %s: a new connection was closed unanswered (file-descriptor limit %llu; "
+                 "raise LimitNOFILE= or lower max-connections-per-uid)", uv_strerror(status),
+                 (unsigned long long)s->fd_limit);
+    else
+        snprintf(what, sizeof what, "accept: %s", uv_strerror(status));
+    fd_warn(s, what);
+}
+
 void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
 {
     pb_conn_t *c = calloc(1, sizeof *c);
@@ -540,6 +610,16 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     bool have_fd = uv_fileno((uv_handle_t *)&c->pipe, &fd) == 0;
     if (have_fd)
         setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, sizeof sndbuf);
+    /* The kernel gives the lowest free number: one this high means about
+     * that many are open. */
+    if (have_fd && (uint64_t)fd + PB_CONNS_FD_MARGIN >= s->fd_limit) {
+        char what[300];
+        snprintf(what, sizeof what, "connection %llu has file descriptor %d of the %llu this process may open "
+                 "(RLIMIT_NOFILE): past the limit new connections are closed unanswered; raise LimitNOFILE= or "
+                 "lower max-connections-per-uid", (unsigned long long)c->id, fd,
+                 (unsigned long long)s->fd_limit);
+        fd_warn(s, what);
+    }
     if (have_fd && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0) {
         c->uid = cr.uid;
         c->pid = cr.pid;
@@ -776,6 +856,8 @@ void pb_conns_flush(pb_conns_t *s)
 void pb_conns_init(pb_conns_t *s, uv_loop_t *loop, const pb_config_t *cfg, pb_conn_cbs_t cb)
 {
     *s = (pb_conns_t){.loop = loop, .cfg = cfg, .cb = cb};
+    struct rlimit r;
+    s->fd_limit = getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur != RLIM_INFINITY ? (uint64_t)r.rlim_cur : UINT64_MAX;
     pb__conns_budget_init(s);
 }
 

@@ -54,6 +54,13 @@
  *   buffers     the shared-memory buffers this connection registered
  *               (buffer.h): its own, unusable from any other connection,
  *               dropped when it closes.
+ *   log lines   what a client's messages make the daemon log (a bad
+ *               notification, a refused drain, a dropped fd) goes through
+ *               pb_conn_log: PB_CONN_LOG_BURST lines a minute per
+ *               connection; past that lines are counted, and the count is
+ *               logged with the next minute's first line and at close.
+ *               Debug lines (one per failed request, asked for) are not
+ *               limited.
  *
  * Ownership: the connection set (pb_conns_t, embedded in the server) owns
  * its connections; conn.c allocates each one at accept and frees it when
@@ -82,8 +89,15 @@
 #include "config.h"
 #include "tape.h"
 
+/* A connection given a file descriptor this close to the limit makes the
+ * set warn that the next ones will be reset (glossary of pb_conns_t). */
+#define PB_CONNS_FD_MARGIN 32
+#define PB_CONNS_FD_WARN_MS 10000
 /* Passed fds a connection holds for messages not yet complete. */
 #define PB_CONN_MAX_FDS 16
+/* Lines one connection may have logged a minute (glossary: log lines). */
+#define PB_CONN_LOG_BURST 3
+#define PB_CONN_LOG_WINDOW_MS 60000
 
 typedef struct pb_conn pb_conn_t;
 
@@ -129,6 +143,14 @@ typedef struct pb_conns {
     size_t nuids, capuids;
     uint64_t next_id;
     bool stopping;                 /* SIGTERM: messages past drain_left are late */
+    /* The file-descriptor limit (RLIMIT_NOFILE's soft limit, read at
+     * init): past it libuv resets the connections it cannot accept and
+     * says nothing (its EMFILE trick), so the set says it, at most once
+     * every PB_CONNS_FD_WARN_MS (fd_warned, loop ms), counting the rest
+     * (fd_unsaid). */
+    uint64_t fd_limit;
+    uint64_t fd_warned;
+    uint64_t fd_unsaid;
 } pb_conns_t;
 
 struct pb_conn {
@@ -178,6 +200,13 @@ struct pb_conn {
     int msg_fds[PB_CONN_MAX_FDS];  /* the fds of the message being served; */
     int msg_nfds;                  /* one taken is -1 */
     pb_buffers_t buffers;
+    /* pb_conn_log's budget: lines logged in the window that began at
+     * log_window (loop ms); lines not logged since the last count said so,
+     * and the most severe level among them. */
+    uint64_t log_window;
+    unsigned log_lines;
+    uint64_t log_dropped;
+    int log_dropped_level;
 };
 
 /* ---- the set (the server's side) ----------------------------------------- */
@@ -185,6 +214,9 @@ struct pb_conn {
 void pb_conns_init(pb_conns_t *s, uv_loop_t *loop, const pb_config_t *cfg, pb_conn_cbs_t cb);
 /* Accept one client from listener. */
 void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener);
+/* The listener's accept failed with status (a libuv error): log it, at
+ * most once every PB_CONNS_FD_WARN_MS. */
+void pb_conns_accept_failed(pb_conns_t *s, int status);
 /* SIGTERM: what each client sent before now (buffered here or waiting in
  * its socket) is served normally; what comes later is late. */
 void pb_conns_stop(pb_conns_t *s);
@@ -206,6 +238,9 @@ void pb_conns_flush(pb_conns_t *s);
 void pb_conn_send(pb_conn_t *c, pb_out_t *o);
 void pb_conn_close(pb_conn_t *c);
 void pb_conn_unref(pb_conn_t *c);
+/* Log a line caused by c's messages, within c's budget (glossary: log
+ * lines); fmt says which connection, as pb_log's lines do. */
+void pb_conn_log(pb_conn_t *c, int level, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* A request of c finished and gave back the reserved bytes it held:
  * resume reading if it was paused. */
 void pb_conn_request_done(pb_conn_t *c, size_t reserved);

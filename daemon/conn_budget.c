@@ -180,8 +180,8 @@ void pb__conn_starve(pb_conn_t *c)
     pb_conns_t *s = c->set;
     const pb_config_t *cfg = s->cfg;
     if (!c->starved) {
-        pb_log(PB_LOG_INFO, "connection %llu (uid %u): buffering cap reached (%zu bytes held); reading paused",
-               (unsigned long long)c->id, (unsigned)c->uid, s->held);
+        pb_conn_log(c, PB_LOG_INFO, "connection %llu (uid %u): buffering cap reached (%zu bytes held); reading "
+                    "paused", (unsigned long long)c->id, (unsigned)c->uid, s->held);
         c->starved = true;
         s->nstarved++;
     }

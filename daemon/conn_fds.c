@@ -37,8 +37,8 @@ static int adopt_fd(pb_conn_t *c, bool *oom)
     if (uv_accept((uv_stream_t *)&c->pipe, (uv_stream_t *)tmp) == 0 && uv_fileno((uv_handle_t *)tmp, &fd) == 0) {
         mine = fcntl(fd, F_DUPFD_CLOEXEC, 3);
         if (mine < 0)
-            pb_log(PB_LOG_WARNING, "connection %llu: a passed file descriptor was dropped: %s",
-                   (unsigned long long)c->id, strerror(errno));
+            pb_conn_log(c, PB_LOG_WARNING, "connection %llu: a passed file descriptor was dropped: %s",
+                        (unsigned long long)c->id, strerror(errno));
         if (fd <= STDERR_FILENO)
             close(fd);
     }
@@ -69,8 +69,8 @@ bool pb__conn_receive_fds(pb_conn_t *c, uint64_t from, uint64_t to)
     }
     /* One line a read, not one a descriptor: a client decides how many. */
     if (dropped)
-        pb_log(PB_LOG_NOTICE, "connection %llu: more than %d passed file descriptors wait for their messages; "
-               "closed the %d newest", (unsigned long long)c->id, PB_CONN_MAX_FDS, dropped);
+        pb_conn_log(c, PB_LOG_NOTICE, "connection %llu: more than %d passed file descriptors wait for their "
+                    "messages; closed the %d newest", (unsigned long long)c->id, PB_CONN_MAX_FDS, dropped);
     return true;
 }
 

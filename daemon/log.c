@@ -26,6 +26,14 @@ const char *pb_log_level_name(int level)
 
 void pb_log(int level, const char *fmt, ...)
 {
+    va_list ap;
+    va_start(ap, fmt);
+    pb_vlog(level, fmt, ap);
+    va_end(ap);
+}
+
+void pb_vlog(int level, const char *fmt, va_list ap)
+{
     if (level > pb_log_level)
         return;
     /* The journal reads the level from a "<N>" prefix (sd-daemon.h); a
@@ -36,10 +44,7 @@ void pb_log(int level, const char *fmt, ...)
     char line[1024];
     int n = tty ? snprintf(line, sizeof line, "pullbackd %s: ", pb_log_level_name(level))
                 : snprintf(line, sizeof line, "<%d>", level);
-    va_list ap;
-    va_start(ap, fmt);
     int m = vsnprintf(line + n, sizeof line - (size_t)n - 1, fmt, ap);
-    va_end(ap);
     size_t len = (size_t)n + (m < 0 ? 0 : (size_t)m);
     if (len > sizeof line - 2)
         len = sizeof line - 2;

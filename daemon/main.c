@@ -2,6 +2,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include "../kernels/tensor.h"
 #include "config.h"
@@ -23,6 +24,7 @@ int main(int argc, char **argv)
         return rc > 0 ? 0 : 2;
     }
     pb_log_level = cfg.log_level;
+    pb_config_warn(&cfg);
     if (cfg.device.kind != PB_DEV_CPU) {
         pb_log(PB_LOG_ERR, "--device cuda:%d: this daemon has no CUDA devices (built without the CUDA backend)",
                cfg.device.index);
@@ -43,6 +45,13 @@ int main(int argc, char **argv)
         return 1;
     }
     uv_run(loop, UV_RUN_DEFAULT);
+    /* A drain cut short with workers stuck in a computation: the socket
+     * file is gone, the connections are closed and systemd has heard
+     * STOPPING=1; joining the workers could take minutes, so exit now. */
+    if (pb_server_abandoned(&srv)) {
+        pb_log(PB_LOG_NOTICE, "stopped");
+        _exit(0);
+    }
     pb_server_destroy(&srv);
     /* A handle left open is a bug the tests that assert a clean exit
      * should see. */

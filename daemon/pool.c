@@ -208,6 +208,17 @@ void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job)
     pthread_cond_signal(&p->cond);
 }
 
+int pb_pool_running(pb_pool_t *p)
+{
+    pthread_mutex_lock(&p->lock);
+    int n = p->busy;
+    for (int d = 0; d < 2; d++)
+        for (pb_job_t *j = p->todo[d].head; j; j = j->next)
+            n++;
+    pthread_mutex_unlock(&p->lock);
+    return n;
+}
+
 uint64_t pb_pool_busy_ns(pb_pool_t *p)
 {
     return atomic_load(&p->busy_ns);

@@ -58,6 +58,8 @@ typedef struct pb_pool {
  * run. */
 int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n);
 void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job);
+/* Jobs submitted and not finished: running on a worker or queued. */
+int pb_pool_running(pb_pool_t *p);
 /* Nanoseconds workers have spent running jobs (and helping, kernels/par.h). */
 uint64_t pb_pool_busy_ns(pb_pool_t *p);
 /* Stop the workers (after the jobs they run) and close the async handle;

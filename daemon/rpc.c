@@ -130,9 +130,9 @@ void pb__req_finish(pb_req_t *r)
      * daemon itself failed it: out of memory or an internal error. */
     if (r->rc && r->rc != PB_EUNKNOWN_TAPE) {
         bool ours = r->rc == PB_ENOMEM || r->rc == PB_EINTERNAL;
-        pb_log(ours ? PB_LOG_WARNING : PB_LOG_DEBUG, "connection %llu: %s %u: %s: %s",
-               (unsigned long long)pb_conn_id(c), r->notify ? "notification" : "msgid", r->msgid,
-               pb_strerror_code(r->rc), r->err.message);
+        pb_conn_log(c, ours ? PB_LOG_WARNING : PB_LOG_DEBUG, "connection %llu: %s %u: %s: %s",
+                    (unsigned long long)pb_conn_id(c), r->notify ? "notification" : "msgid", r->msgid,
+                    pb_strerror_code(r->rc), r->err.message);
     }
     pb_metrics_observe(&rpc->metrics, r->method, r->rc, uv_hrtime() - r->t0_ns);
     size_t reserved = r->conn_reserved;
@@ -219,8 +219,9 @@ void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
      * msgid to answer, so it is logged and dropped (PROTOCOL.md §5). */
     if (m->type == MSGPACK_OBJECT_ARRAY && m->via.array.size >= 1 && m->via.array.size != 3 &&
         m->via.array.ptr[0].type == MSGPACK_OBJECT_POSITIVE_INTEGER && m->via.array.ptr[0].via.u64 == 2) {
-        pb_log(PB_LOG_NOTICE, "connection %llu: bad notification dropped: %u elements, not [2, method, [params]]",
-               (unsigned long long)pb_conn_id(c), (unsigned)m->via.array.size);
+        pb_conn_log(c, PB_LOG_NOTICE,
+                    "connection %llu: bad notification dropped: %u elements, not [2, method, [params]]",
+                    (unsigned long long)pb_conn_id(c), (unsigned)m->via.array.size);
         goto out;
     }
     /* A request of the wrong length whose msgid can be read is answered
@@ -254,8 +255,8 @@ void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
         bad = "params must be an array holding exactly one map";
     if (bad) {
         if (notify)
-            pb_log(PB_LOG_NOTICE, "connection %llu: bad notification dropped: %s", (unsigned long long)pb_conn_id(c),
-                   bad);
+            pb_conn_log(c, PB_LOG_NOTICE, "connection %llu: bad notification dropped: %s",
+                        (unsigned long long)pb_conn_id(c), bad);
         else
             reply_early(rpc, c, msgid, PB_EINVALID_REQUEST, "%s", bad);
         goto out;

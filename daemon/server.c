@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -21,7 +22,7 @@ static void on_connection(uv_stream_t *l, int status)
 {
     pb_server_t *s = l->data;
     if (status < 0) {
-        pb_log(PB_LOG_WARNING, "accept: %s", uv_strerror(status));
+        pb_conns_accept_failed(&s->conns, status);
         return;
     }
     pb_conns_accept(&s->conns, l);
@@ -86,10 +87,46 @@ static void on_shutdown(void *data)
     pb_server_stop(data);
 }
 
+/* Seconds of --drain-timeout left (the drain timer's). */
+static double drain_left_s(pb_server_t *s)
+{
+    return (double)uv_timer_get_due_in(&s->drain_timer) / 1000.0;
+}
+
+/* Stop waiting for what is in flight: the drain timeout passed, or a
+ * third signal came.  The connections close now; requests still running
+ * on the workers are not waited for (pb_server_abandoned). */
+static void abandon(pb_server_t *s, const char *why)
+{
+    pb_log(PB_LOG_WARNING, "%s: %llu requests still in flight are abandoned", why,
+           (unsigned long long)s->rpc.requests_in_flight);
+    s->rpc.requests_in_flight = 0;
+    s->drain_expired = true;
+    uv_timer_stop(&s->drain_timer);
+    pb_server_maybe_finish(s);
+}
+
+/* SIGTERM or SIGINT drains; a second one during the drain says what a
+ * third does, and a third stops at once (as the drain timeout would). */
 static void on_signal(uv_signal_t *h, int sig)
 {
-    pb_log(PB_LOG_NOTICE, "signal %d: draining and stopping", sig);
-    pb_server_stop(h->data);
+    pb_server_t *s = h->data;
+    if (!s->stopping) {
+        pb_log(PB_LOG_NOTICE, "signal %d: draining and stopping", sig);
+        pb_server_stop(s);
+        return;
+    }
+    if (s->stopped || s->drain_expired)
+        return;
+    if (++s->stop_signals == 1) {
+        pb_log(PB_LOG_NOTICE, "signal %d: already draining (%llu requests in flight, at most %g s more); "
+               "a third signal stops at once", sig, (unsigned long long)s->rpc.requests_in_flight,
+               drain_left_s(s));
+        return;
+    }
+    char why[64];
+    snprintf(why, sizeof why, "signal %d a third time", sig);
+    abandon(s, why);
 }
 
 static void on_sighup(uv_signal_t *h, int sig)
@@ -129,12 +166,36 @@ static void on_watchdog(uv_timer_t *t)
 
 static void on_drain_timeout(uv_timer_t *t)
 {
-    pb_server_t *s = t->data;
-    pb_log(PB_LOG_WARNING, "drain timeout: %llu requests still in flight are abandoned",
-           (unsigned long long)s->rpc.requests_in_flight);
-    s->rpc.requests_in_flight = 0;
-    s->drain_expired = true;
-    pb_server_maybe_finish(s);
+    abandon(t->data, "drain timeout");
+}
+
+/* Each connection takes a file descriptor, and so does each memfd a
+ * client passes: the soft limit (1024 on most systems) goes up to the
+ * hard one, which systemd's LimitNOFILE= sets.  Called before the
+ * connection set reads the limit. */
+static void raise_fd_limit(const pb_config_t *cfg)
+{
+    struct rlimit r;
+    if (getrlimit(RLIMIT_NOFILE, &r) != 0)
+        return;
+    rlim_t was = r.rlim_cur;
+    if (r.rlim_cur != r.rlim_max) {
+        r.rlim_cur = r.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &r) != 0) {
+            pb_log(PB_LOG_WARNING, "file descriptors: cannot raise the soft limit %llu to the hard limit %llu: %s",
+                   (unsigned long long)was, (unsigned long long)r.rlim_max, strerror(errno));
+            r.rlim_cur = was;
+        }
+    }
+    if (r.rlim_cur != was)
+        pb_log(PB_LOG_INFO, "file descriptors: at most %llu open (soft limit raised from %llu)",
+               (unsigned long long)r.rlim_cur, (unsigned long long)was);
+    else
+        pb_log(PB_LOG_INFO, "file descriptors: at most %llu open", (unsigned long long)r.rlim_cur);
+    if (r.rlim_cur != RLIM_INFINITY && r.rlim_cur < cfg->max_connections_per_uid + PB_CONNS_FD_MARGIN)
+        pb_log(PB_LOG_NOTICE, "file descriptors: the limit (%llu) is below max-connections-per-uid (%zu) and what "
+               "the daemon needs besides: connections past it are closed unanswered (raise LimitNOFILE=)",
+               (unsigned long long)r.rlim_cur, cfg->max_connections_per_uid);
 }
 
 static void on_unmapped(void *conns)
@@ -154,6 +215,7 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
     pb_blas_init_threads(1);
     pb_mem_set_cap(s->cfg.memory_cache_bytes);
     pb_offloop_start(loop);
+    raise_fd_limit(&s->cfg);
     pb_conns_init(&s->conns, loop, &s->cfg,
                   (pb_conn_cbs_t){.on_message = on_message, .on_close = on_conn_close, .on_idle = on_idle,
                                   .data = s});
@@ -251,6 +313,26 @@ static void ready(pb_server_t *s)
     }
 }
 
+/* uv_pipe_bind reports a missing directory as EACCES (libuv turns bind's
+ * ENOENT into it, as Windows says): look first, and say what is wrong.
+ * 0, or a negative PB_E* code (logged). */
+static int check_socket_dir(const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    if (slash == NULL)
+        return 0; /* the working directory */
+    char dir[sizeof ((pb_config_t *)0)->socket_path];
+    snprintf(dir, sizeof dir, "%.*s", slash == path ? 1 : (int)(slash - path), path);
+    struct stat st;
+    int rc = stat(dir, &st) == 0 ? (S_ISDIR(st.st_mode) ? 0 : UV_ENOTDIR) : -errno;
+    if (rc == UV_ENOENT || rc == UV_ENOTDIR) {
+        pb_log(PB_LOG_ERR, "cannot listen on %s: %s %s (%s)", path,
+               rc == UV_ENOENT ? "no such directory" : "not a directory:", dir, uv_err_name(rc));
+        return pb_err_from_sys(rc);
+    }
+    return 0; /* anything else, bind says */
+}
+
 int pb_server_listen(pb_server_t *s)
 {
     int rc = listen_activated(s);
@@ -262,6 +344,8 @@ int pb_server_listen(pb_server_t *s)
         return 0;
     }
     const char *path = s->cfg.socket_path;
+    if ((rc = check_socket_dir(path)))
+        return rc;
     struct stat st;
     if (lstat(path, &st) == 0) {
         if (!S_ISSOCK(st.st_mode)) {
@@ -334,7 +418,7 @@ void pb_server_reload(pb_server_t *s)
     pb_sd_notify("RELOADING=1");
     pb_config_t n;
     char err[512];
-    int rc = pb_config_load(&n, s->argc, s->argv, s->default_config, err, sizeof err);
+    int rc = pb_config_reload(&n, &s->cfg, s->argc, s->argv, s->default_config, err, sizeof err);
     if (rc != 0) {
         pb_log(PB_LOG_ERR, "reload failed, keeping the running configuration: %s (%s)",
                rc < 0 ? err : "help or version requested", pb_strerror_code(rc < 0 ? rc : PB_EINVALID_ARGUMENT));
@@ -347,6 +431,7 @@ void pb_server_reload(pb_server_t *s)
     s->rpc.tapes.max_bytes = n.max_tape_bytes;
     s->rpc.tapes.max_bytes_per_uid = n.max_tape_bytes_per_uid;
     pb_log_level = n.log_level;
+    pb_config_warn(&s->cfg);
     set_memory_cap(s);
     pb_log(PB_LOG_NOTICE, "reloaded %s: %d settings changed, %d need a restart",
            n.config_file[0] ? n.config_file : "(no config file)", ctx.applied, ctx.refused);
@@ -419,6 +504,16 @@ void pb_server_maybe_finish(pb_server_t *s)
 static void close_cb_noop(uv_handle_t *h)
 {
     (void)h;
+}
+
+int pb_server_abandoned(pb_server_t *s)
+{
+    if (!s->drain_expired)
+        return 0;
+    int n = pb_pool_running(&s->rpc.pool);
+    if (n > 0)
+        pb_log(PB_LOG_WARNING, "exiting without waiting for the %d requests still running on the workers", n);
+    return n;
 }
 
 void pb_server_destroy(pb_server_t *s)

@@ -15,7 +15,9 @@
  *   drain       SIGTERM or shutdown: what was sent before is served,
  *               what came later is answered shutting_down (conn.h's
  *               late and last read), then the daemon exits; admin drain
- *               only refuses new forward calls.
+ *               only refuses new forward calls.  Past --drain-timeout, or
+ *               at a third SIGTERM/SIGINT, what is left is abandoned: the
+ *               daemon exits without waiting for its workers.
  *   activated   the listening socket came from systemd (sd.h): the daemon
  *               did not bind it and leaves its file alone on exit.
  *   reload      SIGHUP: the config is loaded again and the reloadable
@@ -63,7 +65,8 @@ typedef struct pb_server {
     pb_rpc_t rpc;
     bool stopping;                 /* SIGTERM or shutdown */
     bool stopped;
-    bool drain_expired;            /* --drain-timeout passed: stop regardless */
+    bool drain_expired;            /* --drain-timeout passed, or a third signal: stop regardless */
+    int stop_signals;              /* SIGTERM/SIGINT received while stopping */
     bool last_read_started, last_read_done;
 } pb_server_t;
 
@@ -82,6 +85,11 @@ void pb_server_reload(pb_server_t *s);
 void pb_server_stop(pb_server_t *s);
 /* Exit when stopping and nothing is left in flight. */
 void pb_server_maybe_finish(pb_server_t *s);
+/* After the loop: when the drain was cut short (timeout or a third
+ * signal) with requests still running on the workers, their number
+ * (logged); the caller then exits without pb_server_destroy, which would
+ * wait for them (a LAPACK call cannot be interrupted).  Else 0. */
+int pb_server_abandoned(pb_server_t *s);
 void pb_server_destroy(pb_server_t *s);
 
 #endif

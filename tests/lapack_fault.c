@@ -10,7 +10,9 @@
  *
  * Spec: comma-separated entries NAME[/N]=INFO, e.g. "zgesdd=3" (every
  * zgesdd call returns 3) or "dgesdd/7=5,dgesvd/7=2" (only calls whose
- * order n, the column count, is 7).  lapack_fault_calls(NAME) counts the
+ * order n, the column count, is 7).  INFO "hang" makes the call never
+ * return (it sleeps): a worker stuck in LAPACK, for the tests of what a
+ * stop does about one.  lapack_fault_calls(NAME) counts the
  * calls of NAME since the last lapack_fault_set, lapack_fault_lda(NAME)
  * the leading dimension of A its last call passed and lapack_fault_job(NAME)
  * the job argument that asks for vectors (jobz, jobu or jobvr). */
@@ -21,8 +23,10 @@
 #include <lapacke.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static const char *set_spec; /* lapack_fault_set's spec; NULL: the environment's */
 static int counting;          /* set by lapack_fault_set: single-threaded tests only */
@@ -85,8 +89,17 @@ static void count(const char *name, lapack_int lda, char job)
     }
 }
 
+/* What fault_info returns for "hang". */
+#define HANG INT_MIN
+
+static void hang(void)
+{
+    for (;;)
+        sleep(1000);
+}
+
 /* The info the spec names for a call of `name` with order n (and A's
- * leading dimension lda, its job argument), or 0. */
+ * leading dimension lda, its job argument), HANG, or 0. */
 static lapack_int fault_info(const char *name, lapack_int n, lapack_int lda, char job)
 {
     count(name, lda, job);
@@ -99,7 +112,7 @@ static lapack_int fault_info(const char *name, lapack_int n, lapack_int lda, cha
             if (*p == '/')
                 want = strtol(p + 1, (char **)&p, 10);
             if (*p == '=' && (want < 0 || want == (long)n))
-                return (lapack_int)strtol(p + 1, NULL, 10);
+                return strncmp(p + 1, "hang", 4) == 0 ? HANG : (lapack_int)strtol(p + 1, NULL, 10);
         }
         s = strchr(s, ',');
         s = s ? s + 1 : NULL;
@@ -132,6 +145,8 @@ static void *real(const char *name, _Atomic(void *) *slot)
     {                                                                                                                 \
         static _Atomic(void *) slot;                                                                                  \
         lapack_int info = fault_info(#NAME, N, lda, JOB);                                                             \
+        if (info == HANG)                                                                                             \
+            hang();                                                                                                   \
         if (info) {                                                                                                   \
             if (a && N > 0 && lda > 0)                                                                                \
                 memset(a, 0xff, sizeof *a * (size_t)lda * (size_t)N);                                                 \

@@ -37,7 +37,10 @@ fail=0
 for want in 'Type=notify' 'WatchdogSec=' 'ExecReload=' 'ProtectSystem=strict' 'ProtectHome=yes' \
     'PrivateTmp=yes' 'NoNewPrivileges=yes' 'RuntimeDirectory=pullbackd' 'DevicePolicy=closed' \
     'DeviceAllow=char-nvidiactl' 'DeviceAllow=char-nvidia-frontend' 'DeviceAllow=char-nvidia-uvm' \
-    'DeviceAllow=char-nvidia-caps'; do
+    'DeviceAllow=char-nvidia-caps' 'DeviceAllow=char-nvidia ' 'LimitNOFILE=' 'RestrictAddressFamilies=AF_UNIX' \
+    'PrivateNetwork=yes' 'CapabilityBoundingSet=$' 'RestrictNamespaces=yes' 'RestrictSUIDSGID=yes' \
+    'ProtectClock=yes' 'ProtectKernelLogs=yes' 'ProtectHostname=yes' 'SystemCallFilter=@system-service' \
+    'UMask=0077'; do
     grep -q "^$want" "$work/pullbackd.service" || { echo "FAIL: pullbackd.service lacks $want"; fail=1; }
 done
 if grep -q '^PrivateDevices=' "$work/pullbackd.service"; then

@@ -192,6 +192,133 @@ static void odd_files(void **state)
     assert_int_equal(c.workers, 5);
 }
 
+/* Sizes: digits, then K, M, G or T (binary; Ki, KiB and KB alike).  A
+ * blank or a sign first was taken by strtoull: " -1" wrapped to 2^64 - 1. */
+static void sizes(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *text;
+        size_t want;
+    } good[] = {
+        {"0", 0}, {"4096", 4096}, {"64K", 64 << 10}, {"64k", 64 << 10}, {"64KiB", 64 << 10}, {"64Ki", 64 << 10},
+        {"64KB", 64 << 10}, {"256M", 256u << 20}, {"4G", (size_t)4 << 30}, {"4GiB", (size_t)4 << 30},
+        {"1T", (size_t)1 << 40}, {"2t", (size_t)2 << 40}, {"18446744073709551615", SIZE_MAX},
+    };
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        size_t v = 1;
+        if (pb_parse_size(good[i].text, &v) != 0 || v != good[i].want)
+            fail_msg("'%s': got %zu, expected %zu", good[i].text, v, good[i].want);
+    }
+    static const char *const bad[] = {
+        "", " -1", "-1", "\t-1", "\f-1", "\v-1", " 1", "+1", "\f5", "1 ", "K", "1X", "1i", "1B", "1iB", "1KiBB",
+        "1KBi", "1.5G", "18446744073709551616", "16777216T", "0x10",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        size_t v = 7;
+        if (pb_parse_size(bad[i], &v) == 0)
+            fail_msg("'%s' was taken as %zu", bad[i], v);
+        assert_int_equal(v, 7);
+    }
+    /* The same through a flag and through a file, whose line is trimmed of
+     * every blank strtoull skips (\f and \v too). */
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-tape-bytes", " -1", NULL), PB_EINVALID_ARGUMENT);
+    assert_string_equal(err, "--max-tape-bytes: expected a size such as 4096, 64K, 256M, 4G or 1T, got ' -1'");
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("max-tape-bytes = \v-1\n"), NULL),
+                     PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, ":1: max-tape-bytes: expected a size"));
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("max-tape-bytes =\f2T\v\n"), NULL), 0);
+    assert_int_equal(c.max_tape_bytes, (size_t)2 << 40);
+    /* Other numbers do not take a blank first either. */
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--workers", " 3", NULL), PB_EINVALID_ARGUMENT);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--drain-timeout", "\f5", NULL), PB_EINVALID_ARGUMENT);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--socket-mode", " 0600", NULL), PB_EINVALID_ARGUMENT);
+}
+
+/* What a file holds is quoted in errors as protocol messages are: the
+ * line goes to the journal and to STATUS=.  A byte-order mark first is
+ * skipped. */
+static void file_bytes(void **state)
+{
+    (void)state;
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("\xef\xbb\xbfworkers = 3\n"), NULL), 0);
+    assert_int_equal(c.workers, 3);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("workers = 3\xff\x01\n"), NULL),
+                     PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "workers: expected 1..1024, got '3\\xff\\x01'"));
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("wor\xc3kers = 3\n"), NULL),
+                     PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "unknown key 'wor\\xc3kers'"));
+    /* A mark anywhere else is no blank. */
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", file_with("# x\n\xef\xbb\xbfworkers = 3\n"),
+                          NULL), PB_EINVALID_ARGUMENT);
+}
+
+/* max-buffered-bytes-per-uid is half of the max-buffered-bytes in force
+ * unless it is given: it was half of the memory-based default whatever
+ * the total. */
+static void per_uid_buffering(void **state)
+{
+    (void)state;
+    pb_config_t c;
+    char err[512];
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-buffered-bytes", "1G", NULL), 0);
+    assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)512 << 20);
+    const char *p = file_with("max-buffered-bytes = 2G\n");
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, NULL), 0);
+    assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)1 << 30);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, "--max-buffered-bytes", "64M", NULL), 0);
+    assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)32 << 20);
+    /* Given, it stays, above the total too (pb_config_warn says so). */
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config", p, "--max-buffered-bytes-per-uid", "3G", NULL), 0);
+    assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)3 << 30);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--config",
+                          file_with("max-buffered-bytes-per-uid = 100M\nmax-buffered-bytes = 4G\n"), NULL), 0);
+    assert_int_equal(c.max_buffered_bytes_per_uid, (size_t)100 << 20);
+}
+
+/* A reload with the default file gone keeps the settings when they came
+ * from it (every setting went back to its default); a default file that
+ * was missing at start may still be missing, or appear. */
+static void reload_default_file(void **state)
+{
+    (void)state;
+    char path[128], err[512];
+    snprintf(path, sizeof path, "%s/default.conf", dir);
+    char *argv[] = {"pullbackd", "--workers", "2", NULL};
+    pb_config_t cur, n;
+    unlink(path);
+    assert_int_equal(pb_config_load(&cur, 3, argv, path, err, sizeof err), 0);
+    assert_string_equal(cur.config_file, "");
+    assert_int_equal(pb_config_reload(&n, &cur, 3, argv, path, err, sizeof err), 0);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs("max-tape-bytes = 1G\n", f);
+    fclose(f);
+    assert_int_equal(pb_config_reload(&n, &cur, 3, argv, path, err, sizeof err), 0);
+    assert_int_equal(n.max_tape_bytes, (size_t)1 << 30);
+    assert_string_equal(n.config_file, path);
+    cur = n;
+    assert_int_equal(unlink(path), 0);
+    memset(&n, 0x5a, sizeof n);
+    pb_config_t before = n;
+    assert_int_equal(pb_config_reload(&n, &cur, 3, argv, path, err, sizeof err), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, path));
+    assert_non_null(strstr(err, "No such file"));
+    assert_memory_equal(&n, &before, sizeof n);
+    /* At start a missing default file is still fine. */
+    assert_int_equal(pb_config_load(&n, 3, argv, path, err, sizeof err), 0);
+    assert_int_equal(n.max_tape_bytes, (size_t)4 << 30);
+    /* An explicit --config was required at every load already. */
+    char *argv2[] = {"pullbackd", "--config", path, NULL};
+    assert_int_equal(pb_config_reload(&n, &cur, 3, argv2, "/nonexistent/pullbackd.conf", err, sizeof err),
+                     PB_EINVALID_ARGUMENT);
+}
+
 static void flags_win(void **state)
 {
     (void)state;
@@ -236,6 +363,15 @@ static void bad_flags(void **state)
     assert_int_equal(load(&c, NULL, err, sizeof err, "stray", NULL), PB_EINVALID_ARGUMENT);
     assert_non_null(strstr(err, "unexpected argument 'stray'"));
     assert_int_equal(load(&c, NULL, err, sizeof err, "--version", NULL), 1);
+    /* An abbreviation several options begin with is ambiguous, not
+     * unknown; one that only one begins with is that option. */
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-tape", "9", NULL), PB_EINVALID_ARGUMENT);
+    assert_string_equal(err, "ambiguous option '--max-tape': could be --max-tape-bytes, --max-tape-bytes-per-uid, "
+                             "--max-tapes-per-connection");
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-tape-bytes-p=5K", NULL), 0);
+    assert_int_equal(c.max_tape_bytes_per_uid, 5 << 10);
+    assert_int_equal(load(&c, NULL, err, sizeof err, "--max-b=1", NULL), PB_EINVALID_ARGUMENT);
+    assert_non_null(strstr(err, "ambiguous option '--max-b': could be --max-buffers-per-connection, "));
 }
 
 static void socket_chain(void **state)
@@ -428,7 +564,9 @@ int main(void)
         cmocka_unit_test(flags_win),             cmocka_unit_test(bad_flags),
         cmocka_unit_test(socket_chain),          cmocka_unit_test(diff_and_set),
         cmocka_unit_test(table_defaults),        cmocka_unit_test(limits_from_table),
-        cmocka_unit_test(apply_reloadable),
+        cmocka_unit_test(apply_reloadable),      cmocka_unit_test(sizes),
+        cmocka_unit_test(file_bytes),            cmocka_unit_test(per_uid_buffering),
+        cmocka_unit_test(reload_default_file),
     };
     return cmocka_run_group_tests_name("unit.config", tests, setup, teardown);
 }
