@@ -10,8 +10,27 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import unittest
+
+
+def run_in_threads(work, n, timeout=60):
+    """work(k) for k in range(n), each on a thread of its own; the exceptions they raised."""
+    errors = []
+
+    def run(k):
+        try:
+            work(k)
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors
 
 
 def wait_for_socket(path, proc, timeout=10):

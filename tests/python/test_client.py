@@ -27,7 +27,7 @@ import pullbackd  # noqa: E402
 from pullbackd import PullbackError  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from daemon_case import DaemonCase  # noqa: E402
+from daemon_case import DaemonCase, run_in_threads  # noqa: E402
 
 TOL = {np.float64: dict(rtol=1e-12, atol=1e-13), np.float32: dict(rtol=1e-5, atol=1e-6)}
 
@@ -507,6 +507,46 @@ class DaemonTest(DaemonCase):
             time.sleep(0.01)
         self.assertEqual(self.wait_tapes(before), before)
         self.assertEqual(self.c.stats()["peer_tapes"], peer_before)
+
+    def test_threads_share_a_client(self):
+        """Threads calling one Client get each their own reply (a thread once
+        read another's, or one stats() thread broke the stream for all)."""
+        W, x, _ = self.data()
+        with pullbackd.Client(self.path, timeout=30) as shared:
+            def work(k):
+                for i in range(100):
+                    if k == 0:
+                        self.assertIn("tapes", shared.stats())
+                        continue
+                    y = shared.forward("fused_dense", {"weight": W * (k + i), "x": x})["y"]
+                    np.testing.assert_allclose(y, (W * (k + i)) @ x, **TOL[np.float64])
+            self.assertEqual(run_in_threads(work, 4), [])
+            self.assertFalse(shared.closed)
+
+    def test_a_forked_child_leaves_the_parents_connection_alone(self):
+        """A child neither writes on its parent's connection nor releases
+        the parent's tapes when its copies are collected (a child that
+        dropped a copy of a live graph once released the parent's tape)."""
+        W, x, _ = self.data()
+        with pullbackd.Client(self.path, timeout=30) as c:
+            _, tape = c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["x"])
+            pid = os.fork()
+            if pid == 0:  # the child: collect its copy of the tape, then try to write
+                code = 0
+                try:
+                    del tape
+                    gc.collect()
+                    try:
+                        c.hello()
+                        code = 3
+                    except ConnectionError:
+                        pass
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            self.assertEqual(os.waitstatus_to_exitcode(status), 0)
+            g = c.reverse(tape, {"y": np.ones((3, 5))})
+            np.testing.assert_allclose(g["x"], W.T @ np.ones((3, 5)), **TOL[np.float64])
 
     def test_scopes(self):
         W, x, _ = self.data()

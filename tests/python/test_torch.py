@@ -17,7 +17,9 @@ import gc
 import os
 import subprocess
 import sys
+import time
 import unittest
+import unittest.mock
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -34,7 +36,7 @@ except Exception as e:  # noqa: BLE001 (ImportError, or a broken install's OSErr
 
 import pullbackd  # noqa: E402
 import pullbackd.torch as pt  # noqa: E402
-from daemon_case import DaemonCase  # noqa: E402
+from daemon_case import DaemonCase, run_in_threads  # noqa: E402
 
 F64, C128 = torch.float64, torch.complex128
 ACTS = ["identity", "relu", "leakyrelu", "sigmoid", "tanh", "gelu", "gelu_erf", "silu", "softplus", "elu"]
@@ -303,6 +305,77 @@ class TapeLifeTest(TorchCase):
         self.assertIsNotNone(W.grad)
 
 
+class OnceDifferentiableTest(TorchCase):
+    """The rules are differentiable once, and say so: a second derivative
+    raises instead of coming out silently wrong (torch's once_differentiable
+    handed the gradients back as constants when the incoming gradient did
+    not require grad: a zero Hessian, a gradient penalty that added
+    nothing), and so does forward-mode AD (the tangent was dropped)."""
+
+    def test_hessian_and_gradient_penalty_raise(self):
+        x = rand(3, 4, grad=False)
+        with self.assertRaisesRegex(RuntimeError, "differentiable once"):
+            torch.autograd.functional.hessian(lambda W: pt.fused_dense(W, x, act="tanh").sum(), rand(2, 3))
+        W = rand(2, 3)
+        (g,) = torch.autograd.grad(pt.fused_dense(W, x, act="tanh").sum(), W, create_graph=True)
+        with self.assertRaisesRegex(RuntimeError, "differentiable once"):
+            (g ** 2).sum().backward()
+        A = rand(4, 4)
+        with self.assertRaisesRegex(RuntimeError, "differentiable once"):
+            torch.autograd.functional.hessian(lambda A: pt.eigh_vals(herm(A)).max(), A)
+
+    def test_first_derivative_with_create_graph_is_right(self):
+        W, x = rand(2, 3), rand(3, 4, grad=False)
+        (g,) = torch.autograd.grad(pt.fused_dense(W, x, act="tanh").sum(), W, create_graph=True)
+        y = torch.tanh(W.detach() @ x)
+        torch.testing.assert_close(g.detach(), (1 - y ** 2) @ x.T, rtol=1e-12, atol=1e-13)
+
+    def test_forward_ad_raises(self):
+        import torch.autograd.forward_ad as fwAD
+        W, x = rand(2, 3, grad=False), rand(3, 4, grad=False)
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(W, torch.ones_like(W))
+            with self.assertRaisesRegex(RuntimeError, "forward-mode AD tangent"):
+                pt.fused_dense(dual, x)
+
+    def test_ttl_s_in_the_conveniences(self):
+        W, x = rand(2, 3), rand(3, 4, grad=False)
+        y = pt.fused_dense(W, x, ttl_s=0.05)
+        S = pt.svd_vals(rand(3, 3), ttl_s=0.05)
+        time.sleep(1.2)
+        for out in (y, S):
+            with self.assertRaises(pullbackd.PullbackError) as e:
+                out.sum().backward()
+            self.assertEqual(e.exception.code, "unknown_tape")
+
+
+class ReconnectTest(DaemonCase):
+    """The default client is made again once its connection broke: after a
+    message over max_message_bytes (parse_error, then the daemon closes) it
+    used to fail every later call with a bare BrokenPipeError."""
+    DAEMON_ARGS = ["--max-message-bytes", "1M"]
+
+    def test_default_client_reconnects_after_the_daemon_closed_it(self):
+        with unittest.mock.patch.dict(os.environ, {"PULLBACKD_SOCKET": self.path}):
+            pt.set_default_client(None)
+            try:
+                W = rand(2, 3)
+                first = pt.default_client()
+                big = rand(3, 200000, grad=False)  # 4.8 MB, over the 1 MiB limit
+                with self.assertRaises(pullbackd.PullbackError) as e:
+                    pt.fused_dense(W, big)
+                self.assertEqual(e.exception.code, "parse_error")
+                self.assertTrue(first.closed)
+                x = rand(3, 4, grad=False)
+                y = pt.fused_dense(W, x)
+                self.assertIsNot(pt.default_client(), first)
+                torch.testing.assert_close(y.detach(), W.detach() @ x, rtol=1e-12, atol=1e-13)
+            finally:
+                c = pt.default_client()
+                pt.set_default_client(None)
+                c.close()
+
+
 class ApiTest(TorchCase):
     def test_call_returns_a_dict(self):
         A = rand(4, 3)
@@ -319,26 +392,17 @@ class ApiTest(TorchCase):
             pt.fused_dense(torch.ones(2, 2, dtype=torch.float16), torch.ones(2, dtype=torch.float16))
 
     def test_threads_share_the_default_client(self):
-        import threading
-        errors, W = [], rand(6, 5, grad=False)
+        W = rand(6, 5, grad=False)
 
         def work(seed):
-            try:
-                for i in range(20):
-                    x = rand(5, 3, seed=seed * 100 + i)
-                    y = pt.fused_dense(W, x, act="tanh")
-                    (gx,) = torch.autograd.grad(y.sum(), x)
-                    torch.testing.assert_close(y, torch.tanh(W @ x), rtol=1e-12, atol=1e-13)
-                    torch.testing.assert_close(gx, W.T @ (1 - y.detach() ** 2), rtol=1e-12, atol=1e-13)
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
+            for i in range(20):
+                x = rand(5, 3, seed=seed * 100 + i)
+                y = pt.fused_dense(W, x, act="tanh")
+                (gx,) = torch.autograd.grad(y.sum(), x)
+                torch.testing.assert_close(y, torch.tanh(W @ x), rtol=1e-12, atol=1e-13)
+                torch.testing.assert_close(gx, W.T @ (1 - y.detach() ** 2), rtol=1e-12, atol=1e-13)
 
-        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        self.assertEqual(errors, [])
+        self.assertEqual(run_in_threads(work, 4), [])
 
     def test_default_client_from_the_environment(self):
         code = ("import sys; sys.path.insert(0, sys.argv[1]); import torch, pullbackd.torch as pt;"

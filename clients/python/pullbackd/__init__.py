@@ -10,8 +10,8 @@ received straight into one buffer, which the Client lends again for a
 later reply once all the arrays of this one are gone.
 
 Errors from the daemon raise PullbackError carrying the wire code. A Client
-is one connection and is not thread-safe; only the release notification a
-garbage-collected Tape sends may come from any thread.
+is one connection; threads may share it (each call gets its own reply),
+and a forked child must make its own.
 
 Shared memory (contract section 6): ``Client.shared_buffer(size)`` makes a
 memfd, maps it here and registers it (``register_buffer``, the fd passed
@@ -552,11 +552,21 @@ class Client:
 
     ``path`` defaults to socket_path(); ``timeout`` (seconds) bounds every
     socket operation (None waits forever).
+
+    Threads may share a Client: each call (hello, forward, reverse, ...)
+    gets its own reply by msgid, whichever thread reads it. ``send`` and
+    ``recv`` share one stream of replies: ``recv`` returns the next one,
+    whoever sent it. ``last_warnings`` is the last reverse's, in any
+    thread. A Client belongs to the process that made it: in a forked
+    child it refuses to write (the parent's stream would be corrupted),
+    and collected tapes are not released from there. ``closed`` is true
+    once it was closed or its connection broke (the daemon closed it, or
+    sent what is not msgpack-RPC); make a new Client then.
     """
 
     # Big reply buffers kept for reuse per client (see _ReplyBuffers): per
-    # client rather than per process because a Client is used by one thread
-    # at a time (no lock on the receive path) and close() can free them.
+    # client rather than per process because close() can free them; the
+    # receive path holds _read_lock.
     reply_buffers = 4
     reply_buffer_bytes = 512 << 20
 
@@ -588,8 +598,23 @@ class Client:
         self._next_msgid = 1
         self._stash = {}  # msgid -> result or PullbackError, received out of turn
         self._write_lock = threading.Lock()
+        self._read_lock = threading.RLock()  # the receive buffers, _stash and the socket's reading side
+        self._id_lock = threading.Lock()
+        self._pid = os.getpid()
+        self._broken = None  # why the connection broke, once it did
         self._deferred_releases = []  # handles of collected tapes, sent with the next message
         self.last_warnings = []
+
+    @property
+    def closed(self):
+        """True once close() ran or the connection broke; a new Client is then needed."""
+        return self._sock is None or self._broken is not None
+
+    def _break(self, why):
+        """Note that the connection is unusable (the first reason is kept); returns why."""
+        if self._broken is None:
+            self._broken = why
+        return why
 
     def close(self):
         """Send any pending tape releases and close the connection."""
@@ -597,7 +622,8 @@ class Client:
             return
         with self._write_lock:
             try:
-                self._send_releases()
+                if os.getpid() == self._pid and self._broken is None:
+                    self._send_releases()
             except OSError:
                 pass
             self._sock.close()
@@ -619,6 +645,9 @@ class Client:
         """
         if self._sock is None:
             raise ConnectionError("the client is closed")
+        if os.getpid() != self._pid:
+            raise ConnectionError(f"this Client was made by process {self._pid}: a forked child must make its "
+                                  "own (writing here would corrupt the parent's stream)")
         parts = _pack(msg)
         with self._write_lock:
             self._send_releases()
@@ -635,8 +664,8 @@ class Client:
 
     def _release_later(self, handle):
         """Release a collected tape now, or with the next message while a send is under way."""
-        if self._sock is None:
-            return
+        if self._sock is None or os.getpid() != self._pid or self._broken is not None:
+            return  # a forked child's copy of a parent's tape is the parent's to release
         self._deferred_releases.append(handle)
         if self._write_lock.acquire(blocking=False):
             try:
@@ -649,12 +678,17 @@ class Client:
 
         ``fds`` (file descriptors) are passed with it, as register_buffer wants.
         """
-        msgid = self._next_msgid
-        self._next_msgid = (msgid + 1) & 0xFFFFFFFF or 1  # msgid 0 is the daemon's for parse errors
+        with self._id_lock:
+            msgid = self._next_msgid
+            self._next_msgid = (msgid + 1) & 0xFFFFFFFF or 1  # msgid 0 is the daemon's for parse errors
         try:
             self._write([0, msgid, method, [params or {}]], fds)
         except (BrokenPipeError, ConnectionResetError) as e:
-            raise self._why_closed() or e
+            raise self._break(self._why_closed() or e)
+        except OSError as e:
+            if self._sock is not None and os.getpid() == self._pid:
+                raise self._break(e)  # part of the message may be out: the stream is lost
+            raise
         return msgid
 
     def _why_closed(self):
@@ -662,17 +696,23 @@ class Client:
         connection (a connection past max_connections_per_uid, a parse
         error), read from what is left in the socket; None if it sent none."""
         try:
-            while True:
-                got, value = self._read_reply()
-                if got == 0 and isinstance(value, PullbackError):
-                    return value
-                self._stash[got] = value
+            with self._read_lock:
+                while True:
+                    got, value = self._read_reply()
+                    if got == 0 and isinstance(value, PullbackError):
+                        return value
+                    self._stash[got] = value
         except (OSError, ValueError):
             return None
 
     def notify(self, method, params=None):
         """Send a notification (no reply comes)."""
-        self._write([2, method, [params or {}]])
+        try:
+            self._write([2, method, [params or {}]])
+        except OSError as e:
+            if self._sock is not None and os.getpid() == self._pid:
+                raise self._break(e)
+            raise
 
     def _fill(self, need):
         """Receive until at least `need` bytes lie undecoded in the buffer.
@@ -701,9 +741,14 @@ class Client:
         view = memoryview(self._rbuf)
         stop = len(view) if self._rbuf is self._small else min(len(view), self._rpos + need + _SLACK)
         while self._rend - self._rpos < need:
-            n = self._sock.recv_into(view[self._rend:stop])
+            try:
+                n = self._sock.recv_into(view[self._rend:stop])
+            except socket.timeout:
+                raise  # the bytes read so far stay: a later call goes on from them
+            except OSError as e:
+                raise self._break(e)
             if n == 0:
-                raise ConnectionError("pullbackd closed the connection")
+                raise self._break(ConnectionError("pullbackd closed the connection"))
             self._rend += n
 
     def _next_message(self):
@@ -751,7 +796,7 @@ class Client:
         """The next reply from the socket: (msgid, result or PullbackError)."""
         msg = self._next_message()
         if not (isinstance(msg, list) and len(msg) == 4 and msg[0] == 1):
-            raise ConnectionError(f"pullbackd sent something that is not a response: {msg!r:.100}")
+            raise self._break(ConnectionError(f"pullbackd sent something that is not a response: {msg!r:.100}"))
         _, msgid, error, result = msg
         if error is None:
             return msgid, result
@@ -762,19 +807,30 @@ class Client:
 
     def recv(self):
         """The next reply, in arrival order: (msgid, result or PullbackError)."""
-        if self._stash:
-            msgid = next(iter(self._stash))
-            return msgid, self._stash.pop(msgid)
-        return self._read_reply()
+        with self._read_lock:
+            if self._stash:
+                msgid = next(iter(self._stash))
+                return msgid, self._stash.pop(msgid)
+            return self._read_reply()
 
     def wait(self, msgid):
-        """The result for msgid (raises its PullbackError); other replies are kept for recv."""
-        while msgid not in self._stash:
-            got, value = self._read_reply()
-            if got == 0 and isinstance(value, PullbackError):
-                raise value  # parse_error or invalid_request the daemon could not pair
-            self._stash[got] = value
-        value = self._stash.pop(msgid)
+        """The result for msgid (raises its PullbackError); other replies are kept for recv.
+
+        Threads waiting at once take turns reading, one reply each, and
+        leave the others' replies in _stash for them."""
+        while True:
+            with self._read_lock:
+                if msgid in self._stash:
+                    value = self._stash.pop(msgid)
+                    break
+                got, value = self._read_reply()
+                if got == msgid:
+                    break
+                if got == 0 and isinstance(value, PullbackError):
+                    # parse_error or invalid_request the daemon could not
+                    # pair; after a parse_error it closes the connection
+                    raise self._break(value) if value.code == "parse_error" else value
+                self._stash[got] = value
         if isinstance(value, PullbackError):
             raise value
         return value

@@ -26,9 +26,15 @@ with ``warnings.warn`` as ``pullbackd.GaugeWarning``; errors raise
 ``pullbackd.PullbackError``. CPU tensors only.
 
 The default client is one connection per process to the contract's
-socket (``$PULLBACKD_SOCKET``, ...), made on first use; see
-``default_client`` and ``set_default_client``. Calls through one client
-are serialized by a lock, so threads may share it.
+socket (``$PULLBACKD_SOCKET``, ...), made on first use, and made again in
+a forked child or once the connection broke (the daemon restarted, or
+closed it after a parse error); see ``default_client`` and
+``set_default_client``. Threads may share a client.
+
+The rules are differentiable once: a backward with ``create_graph=True``
+(a gradient penalty, ``torch.autograd.functional.hessian``) gives
+gradients that raise when differentiated again, and forward-mode AD
+(``torch.autograd.forward_ad``, jvp) raises at the call.
 """
 
 import os
@@ -69,10 +75,13 @@ _default_lock = threading.Lock()
 
 
 def default_client():
-    """The process's default Client, connected on first use (again if it was closed, or in a forked child)."""
+    """The process's default Client, connected on first use (again if it was closed or its
+    connection broke, or in a forked child)."""
     global _default, _default_pid
     with _default_lock:
-        if _default is None or _default._sock is None or _default_pid != os.getpid():
+        if _default is None or _default.closed or _default_pid != os.getpid():
+            if _default is not None and _default_pid == os.getpid():
+                _default.close()  # broken: its socket goes
             _default = _pb.Client()  # a fork's child never writes on its parent's connection
             _default_pid = os.getpid()
         return _default
@@ -160,6 +169,54 @@ def _wire(names, tensors, options, scalars):
     return inputs, options
 
 
+try:
+    from torch._C import _functions as _torch_functions
+    _DelayedError = _torch_functions.DelayedError
+except (ImportError, AttributeError):  # not in this torch: a second derivative raises at once instead
+    _DelayedError = None
+
+_TWICE = ("pullbackd's rules are differentiable once: a second derivative through pullbackd.torch "
+          "(create_graph=True: a gradient penalty, a Hessian) is not supported")
+
+
+def _once_differentiable(backward):
+    """torch's once_differentiable, made strict: with create_graph=True (grad
+    mode on in backward) the gradients depend on the inputs even where the
+    incoming gradients do not require grad, and torch's version handed them
+    back as constants (a Hessian came out zero, a gradient penalty added
+    nothing, without an error). Here they come out of a node that raises
+    when differentiated, and that node hangs on the inputs (ctx.diff_inputs)
+    too, so that a derivative with respect to them reaches it."""
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled() or all(o is None for o in outputs):
+            return outputs
+        if _DelayedError is None:
+            raise RuntimeError(_TWICE)
+        ins = ctx.diff_inputs
+        err = _DelayedError(_TWICE.encode(), len(outputs) + len(ins))
+
+        def alias(o):
+            if o is None:
+                return None
+            o = o.detach()
+            o.requires_grad = True
+            return o
+        return tuple(err(*[alias(o) for o in outputs], *ins)[:len(outputs)])
+    return wrapper
+
+
+def _no_tangents(tensors):
+    """Forward-mode AD would drop the tangents silently (forward runs on
+    numpy): refuse a dual tensor."""
+    fwd = torch.autograd.forward_ad
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and fwd.unpack_dual(t).tangent is not None:
+            raise RuntimeError(f"input {name!r} carries a forward-mode AD tangent: pullbackd.torch has reverse "
+                               "rules only (no jvp)")
+
+
 class _DaemonOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, *tensors):
@@ -172,6 +229,8 @@ class _DaemonOp(torch.autograd.Function):
         spec.out_names = list(outputs)
         ctx.spec, ctx.tape, ctx.wrt = spec, tape, wrt
         ctx.in_meta = [(t.dtype, t.shape) for t in tensors]
+        # what a second derivative would be taken with respect to (_once_differentiable)
+        ctx.diff_inputs = tuple(t for t, need in zip(tensors, ctx.needs_input_grad[1:]) if need)
         ctx.set_materialize_grads(False)
         # The tape goes with the graph's saved state (the pack hook in call takes the releaser):
         # PyTorch frees that after a backward without retain_graph, or with the graph.
@@ -180,7 +239,7 @@ class _DaemonOp(torch.autograd.Function):
         return tuple(_to_torch(outputs[n]) for n in spec.out_names)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @_once_differentiable
     def backward(ctx, *grads):
         ctx.saved_tensors  # raises PyTorch's own error if the graph was freed
         spec, tape = ctx.spec, ctx.tape
@@ -226,6 +285,7 @@ def call(op, inputs, options=None, client=None, *, ttl_s=None):
     for k, v in options.items():
         if isinstance(v, torch.Tensor):
             raise TypeError(f"option {k!r} may not be a tensor")
+    _no_tangents(tensors)
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors.values())
     if not needs_grad:
@@ -261,16 +321,17 @@ def _outputs(op, got):
     return got[names[0]] if len(names) == 1 else tuple(got[n] for n in names)
 
 
-def fused_dense(weight, x, bias=None, act="identity", client=None):
+def fused_dense(weight, x, bias=None, act="identity", client=None, *, ttl_s=None):
     """``act.(weight @ x .+ bias)`` (LuxLib's fused_dense_bias_activation); x is in×batch or a vector.
 
     act: identity, relu, leakyrelu, sigmoid, tanh, gelu (tanh form), gelu_erf, silu, softplus, elu.
+    ``ttl_s``, here and in every convenience, as in ``call``.
     """
-    return call("fused_dense", {"weight": weight, "x": x, "bias": bias}, {"act": act}, client)["y"]
+    return call("fused_dense", {"weight": weight, "x": x, "bias": bias}, {"act": act}, client, ttl_s=ttl_s)["y"]
 
 
 def tensorcontract(*operands, spec=None, C=None, pA=None, pB=None, pAB=None, conjA=None, conjB=None,
-                   alpha=None, beta=None, client=None):
+                   alpha=None, beta=None, client=None, ttl_s=None):
     """``beta*C + alpha*contract(opA(A), opB(B))`` (TensorOperations' tensorcontract!).
 
     einsum-like, ``tensorcontract("ij,jk->ik", A, B)`` (no repeated or batch
@@ -288,27 +349,27 @@ def tensorcontract(*operands, spec=None, C=None, pA=None, pB=None, pAB=None, con
     A, B = operands
     options = {"spec": spec, "pA": pA, "pB": pB, "pAB": pAB, "conjA": conjA, "conjB": conjB,
                "alpha": alpha, "beta": beta}
-    return call("tensorcontract", {"A": A, "B": B, "C": C}, options, client)["C"]
+    return call("tensorcontract", {"A": A, "B": B, "C": C}, options, client, ttl_s=ttl_s)["C"]
 
 
-def tensoradd(A, C=None, *, pA=None, conjA=None, alpha=None, beta=None, client=None):
+def tensoradd(A, C=None, *, pA=None, conjA=None, alpha=None, beta=None, client=None, ttl_s=None):
     """``beta*C + alpha*permute(opA(A), pA)`` (TensorOperations' tensoradd!)."""
     options = {"pA": pA, "conjA": conjA, "alpha": alpha, "beta": beta}
-    return call("tensoradd", {"A": A, "C": C}, options, client)["C"]
+    return call("tensoradd", {"A": A, "C": C}, options, client, ttl_s=ttl_s)["C"]
 
 
-def tensortrace(A, C=None, *, p=None, q=None, conjA=None, alpha=None, beta=None, client=None):
+def tensortrace(A, C=None, *, p=None, q=None, conjA=None, alpha=None, beta=None, client=None, ttl_s=None):
     """``beta*C + alpha*Σ_k permute(opA(A), p ++ q1 ++ q2)[..., k, k]`` (TensorOperations' tensortrace!).
 
     ``q = [q1, q2]``: axis q1[i] is traced against q2[i]; ``p`` the free axes in output order.
     """
     options = {"p": p, "q": q, "conjA": conjA, "alpha": alpha, "beta": beta}
-    return call("tensortrace", {"A": A, "C": C}, options, client)["C"]
+    return call("tensortrace", {"A": A, "C": C}, options, client, ttl_s=ttl_s)["C"]
 
 
 def _factorization(op):
-    def f(A, client=None, **options):
-        return _outputs(op, call(op, {"A": A}, options, client))
+    def f(A, client=None, *, ttl_s=None, **options):
+        return _outputs(op, call(op, {"A": A}, options, client, ttl_s=ttl_s))
 
     outs = ", ".join(OPS[op])
     f.__name__ = f.__qualname__ = op
