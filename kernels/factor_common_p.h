@@ -68,6 +68,16 @@ void FZ(store_back)(pb_tensor_t *t, const T *src, int m, int n);
 /* output i of c (any order) as a fresh F-ordered array. */
 T *FZ(out_arr)(const pb_call_t *c, int i);
 
+/* For LAPACK routines that do not scale their input (geqrf, gelqf: their
+ * Householder norms may square entries, as some of OpenBLAS's nrm2 kernels
+ * do): when max|M_ij| (M m×n, leading dimension ld) lies outside
+ * [2^-lim, 2^lim] (lim 250 in double, 30 in single), M is multiplied by
+ * the power of two 2^-e that brings it to [1, 2); returns e (0: M left as
+ * it was).  pow2_mul multiplies by 2^e, exactly where nothing over- or
+ * underflows. */
+int FZ(pow2_normalise)(T *M, int ld, int m, int n);
+void FZ(pow2_mul)(T *M, int ld, int m, int n, int e);
+
 /* A = Q·R with diag(R) real and ≥ 0.  A (m×n) is overwritten; Q is m×nq
  * (nq = k or m), R is nq×n, both zeroed by the caller. */
 int FZ(qr_factor)(T *A, int m, int n, int nq, T *Q, T *Rm, pb_err_t *err);

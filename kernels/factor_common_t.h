@@ -143,6 +143,29 @@ static double FN(amax)(const T *A, size_t n, bool *finite)
     return fmin(ldexp(sqrt(big), e), DBL_MAX);
 }
 
+int FZ(pow2_normalise)(T *M, int ld, int m, int n)
+{
+    const int lim = DT == PB_F32 || DT == PB_C64 ? 30 : 250;
+    double top = 0;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++)
+            top = fmax(top, fmax(fabs(RE(E(M, ld, i, j))), fabs(IM(E(M, ld, i, j)))));
+    if (top == 0 || (top >= ldexp(1.0, -lim) && top <= ldexp(1.0, lim)))
+        return 0;
+    int e = ilogb(top);
+    e = e < DBL_MIN_EXP - 1 ? DBL_MIN_EXP - 1 : e; /* 2^-e stays a double */
+    FZ(pow2_mul)(M, ld, m, n, -e);
+    return e;
+}
+
+void FZ(pow2_mul)(T *M, int ld, int m, int n, int e)
+{
+    const double s = ldexp(1.0, e);
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++)
+            E(M, ld, i, j) *= (RT)s;
+}
+
 int FZ(load_cot)(const pb_tensor_t *t, int m, int n, T **out)
 {
     *out = NULL;

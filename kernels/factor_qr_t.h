@@ -79,7 +79,7 @@ int FZ(qr_factor)(T *A, int m, int n, int nq, T *Q, T *Rm, pb_err_t *err)
     lapack_int info = 0;
     /* A and Q through LAPACK's leading dimension (FZ(pad)) */
     T *tau = FZ(zalloc)((size_t)k), *P = FZ(pad)(A, m, n, true, &ld), *Qp = FZ(pad)(Q, m, nq, false, &ldq);
-    int rc = tau && P && Qp ? 0 : PB_ENOMEM;
+    int rc = tau && P && Qp ? 0 : PB_ENOMEM, e = rc == 0 ? FZ(pow2_normalise)(P, ld, m, n) : 0;
     if (rc == 0 && k > 0 && (info = LAPACK(geqrf)(LAPACK_COL_MAJOR, m, n, P, ld, tau)))
         rc = FZ(lapack_fail)("geqrf", info, err);
     if (rc == 0) {
@@ -117,6 +117,8 @@ int FZ(qr_factor)(T *A, int m, int n, int nq, T *Q, T *Rm, pb_err_t *err)
         for (int i = 0; i < k && i < j; i++)
             E(Rm, nr, i, j) *= CONJ(ph[i]);
     pb_mem_free(ph);
+    if (e) /* Q is A's as well as A·2^-e's; R goes back last (an overflow in it stays R's) */
+        FZ(pow2_mul)(Rm, nr, nr, n, e);
     return 0;
 }
 
@@ -207,7 +209,7 @@ static int FN(lq_factor)(T *A, int m, int n, int nl, T *L, T *Q, pb_err_t *err)
     lapack_int info = 0;
     /* A and Q through LAPACK's leading dimension (FZ(pad)) */
     T *tau = FZ(zalloc)((size_t)k), *P = FZ(pad)(A, m, n, true, &ld), *Qp = FZ(pad)(Q, nl, n, false, &ldq);
-    int rc = tau && P && Qp ? 0 : PB_ENOMEM;
+    int rc = tau && P && Qp ? 0 : PB_ENOMEM, e = rc == 0 ? FZ(pow2_normalise)(P, ld, m, n) : 0;
     if (rc == 0 && k > 0 && (info = LAPACK(gelqf)(LAPACK_COL_MAJOR, m, n, P, ld, tau)))
         rc = FZ(lapack_fail)("gelqf", info, err);
     if (rc == 0) {
@@ -237,6 +239,8 @@ static int FN(lq_factor)(T *A, int m, int n, int nl, T *L, T *Q, pb_err_t *err)
         for (int j = 0; j < n; j++)
             E(Q, nl, i, j) *= ph;
     }
+    if (e)
+        FZ(pow2_mul)(L, m, m, k, e);
     return 0;
 }
 

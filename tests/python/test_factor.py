@@ -360,7 +360,13 @@ class FactorTest(DaemonCase):
             with self.assertRaises(PullbackError) as e:
                 self.c.forward("qr_compact", {"A": np.full((2, 2), big, dtype=dtype)})
             self.assertEqual(e.exception.code, "numerical_error", dtype)
-            self.assertIn("output Q is not finite", e.exception.message)
+            self.assertIn("output R is not finite", e.exception.message)
+            # where the factors fit, qr factors: geqrf's Householder step
+            # overflowed from half the largest number (alpha - beta) until
+            # A was brought to [1, 2) first
+            got = self.c.forward("qr_compact", {"A": np.full((2, 1), 0.6 * big, dtype=dtype)})
+            np.testing.assert_allclose(np.abs(got["R"].ravel()), [np.sqrt(2) * 0.6 * float(big)], rtol=1e-6)
+            np.testing.assert_allclose(np.abs(got["Q"].ravel()), [np.sqrt(0.5)] * 2, rtol=1e-6)
             with self.assertRaises(PullbackError) as e:
                 self.c.forward("svd_vals", {"A": np.full((2, 2), big, dtype=dtype)})
             self.assertEqual(e.exception.code, "numerical_error", dtype)
