@@ -485,7 +485,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
         return;
     }
     if (nread > 0 && uv_pipe_pending_count(&c->pipe) > 0 && !pb__conn_receive_fds(c, c->rx, c->rx + (uint64_t)nread)) {
-        pb_conn_log(c, PB_LOG_WARNING, "connection %llu: out of memory for passed file descriptors; closing it",
+        pb_log(PB_LOG_WARNING, "connection %llu: out of memory for passed file descriptors; closing it",
                (unsigned long long)c->id);
         pb_conn_close(c);
         return;

@@ -129,10 +129,13 @@ void pb__req_finish(pb_req_t *r)
     /* A failed request is the client's business (debug), unless the
      * daemon itself failed it: out of memory or an internal error. */
     if (r->rc && r->rc != PB_EUNKNOWN_TAPE) {
-        bool ours = r->rc == PB_ENOMEM || r->rc == PB_EINTERNAL;
-        pb_conn_log(c, ours ? PB_LOG_WARNING : PB_LOG_DEBUG, "connection %llu: %s %u: %s: %s",
-                    (unsigned long long)pb_conn_id(c), r->notify ? "notification" : "msgid", r->msgid,
-                    pb_strerror_code(r->rc), r->err.message);
+        /* the daemon's own failures are always logged: no client budget */
+        if (r->rc == PB_ENOMEM || r->rc == PB_EINTERNAL)
+            pb_log(PB_LOG_WARNING, "connection %llu: %s %u: %s: %s", (unsigned long long)pb_conn_id(c),
+                   r->notify ? "notification" : "msgid", r->msgid, pb_strerror_code(r->rc), r->err.message);
+        else
+            pb_conn_log(c, PB_LOG_DEBUG, "connection %llu: %s %u: %s: %s", (unsigned long long)pb_conn_id(c),
+                        r->notify ? "notification" : "msgid", r->msgid, pb_strerror_code(r->rc), r->err.message);
     }
     pb_metrics_observe(&rpc->metrics, r->method, r->rc, uv_hrtime() - r->t0_ns);
     size_t reserved = r->conn_reserved;

@@ -106,8 +106,9 @@ static void abandon(pb_server_t *s, const char *why)
     pb_server_maybe_finish(s);
 }
 
-/* SIGTERM or SIGINT drains; a second one during the drain says what a
- * third does, and a third stops at once (as the drain timeout would). */
+/* SIGTERM or SIGINT drains; a second one during the drain (the first
+ * after the shutdown method) says that one more stops it, and the next
+ * stops at once (as the drain timeout would). */
 static void on_signal(uv_signal_t *h, int sig)
 {
     pb_server_t *s = h->data;
@@ -120,12 +121,12 @@ static void on_signal(uv_signal_t *h, int sig)
         return;
     if (++s->stop_signals == 1) {
         pb_log(PB_LOG_NOTICE, "signal %d: already draining (%llu requests in flight, at most %g s more); "
-               "a third signal stops at once", sig, (unsigned long long)s->rpc.requests_in_flight,
+               "one more signal stops at once", sig, (unsigned long long)s->rpc.requests_in_flight,
                drain_left_s(s));
         return;
     }
     char why[64];
-    snprintf(why, sizeof why, "signal %d a third time", sig);
+    snprintf(why, sizeof why, "signal %d again", sig);
     abandon(s, why);
 }
 

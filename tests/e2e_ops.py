@@ -6,8 +6,8 @@ reads, as an operator reads the journal:
 - the lines one client can make the daemon log are bounded per
   connection (100,000 bad notifications, 2,000 refused drains);
 - --drain-timeout bounds the stop even while a worker is stuck in LAPACK
-  (tests/lapack_fault.c's "hang", preloaded); a second SIGTERM says what
-  a third does, and a third stops at once;
+  (tests/lapack_fault.c's "hang", preloaded); a second SIGTERM says that
+  one more stops it, and a third stops at once;
 - the soft file-descriptor limit is raised to the hard one, and a daemon
   that runs out of descriptors says so;
 - max-buffered-bytes-per-uid defaults to half of the max-buffered-bytes in
@@ -263,7 +263,7 @@ class Ops(unittest.TestCase):
         d.wait_log("signal 15: draining and stopping")
         d.proc.send_signal(signal.SIGINT)
         d.wait_log("signal 2: already draining (1 requests in flight")
-        self.assertIn("a third signal stops at once", d.text())
+        self.assertIn("one more signal stops at once", d.text())
         time.sleep(0.5)
         self.assertIsNone(d.proc.poll(), "the second signal stopped the daemon")
         t0 = time.monotonic()
@@ -271,7 +271,7 @@ class Ops(unittest.TestCase):
         rc = d.proc.wait(15)
         self.assertEqual(rc, 0, d.text())
         self.assertLess(time.monotonic() - t0, 4)
-        self.assertIn("signal 15 a third time: 1 requests still in flight are abandoned", d.text())
+        self.assertIn("signal 15 again: 1 requests still in flight are abandoned", d.text())
         self.assertFalse(os.path.exists(d.sock))
         s.close()
 
