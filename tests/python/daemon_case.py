@@ -16,7 +16,9 @@ import unittest
 
 
 def run_in_threads(work, n, timeout=60):
-    """work(k) for k in range(n), each on a thread of its own; the exceptions they raised."""
+    """work(k) for k in range(n), each on a thread of its own; the exceptions
+    they raised, and a TimeoutError for each still running after timeout
+    seconds in all (a hang fails the test instead of passing it)."""
     errors = []
 
     def run(k):
@@ -25,12 +27,13 @@ def run_in_threads(work, n, timeout=60):
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(n)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + timeout
     for t in threads:
-        t.join(timeout)
-    return errors
+        t.join(max(0.0, deadline - time.monotonic()))
+    return errors + [TimeoutError(f"{t.name} still running after {timeout} s") for t in threads if t.is_alive()]
 
 
 def wait_for_socket(path, proc, timeout=10):

@@ -209,6 +209,36 @@ class FakeDaemonTest(unittest.TestCase):
         c.close()
         fake.join(5)
 
+    def test_a_waiting_thread_gets_its_reply_at_once(self):
+        """A thread whose reply arrived while another thread was reading the
+        socket for a slow one gets it at once, not after the slow one."""
+        held = []
+
+        def handler(msg):
+            if msg[2] == "slow":
+                held.append(msg[1])
+                return []
+            replies = [[1, msg[1], None, {"m": msg[2]}]]
+            if msg[2] == "finish":
+                replies += [[1, h, None, {"m": "slow"}] for h in held]
+            return replies
+
+        fake, c = self.serve(handler)
+        slow = []
+        reader = threading.Thread(target=lambda: slow.append(c.call("slow")), daemon=True)
+        reader.start()
+        time.sleep(0.2)  # the reader now blocks on the socket
+        for _ in range(3):
+            t0 = time.monotonic()
+            self.assertEqual(c.call("fast"), {"m": "fast"})
+            self.assertLess(time.monotonic() - t0, 1.0)
+        self.assertEqual(slow, [])
+        self.assertEqual(c.call("finish"), {"m": "finish"})
+        reader.join(5)
+        self.assertEqual(slow, [{"m": "slow"}])
+        c.close()
+        fake.join(5)
+
     def test_params_on_the_wire(self):
         replies = {
             "forward": {"outputs": {"y": {"dtype": "f64", "shape": [1], "order": "C", "data": b"\0" * 8}}},
@@ -523,6 +553,23 @@ class DaemonTest(DaemonCase):
             self.assertEqual(run_in_threads(work, 4), [])
             self.assertFalse(shared.closed)
 
+    def test_a_send_that_wrote_nothing_breaks_nothing(self):
+        """register_buffer with a bad fd fails before a byte goes out: the
+        connection stays usable and keeps releasing collected tapes."""
+        W, x, _ = self.data()
+        with pullbackd.Client(self.path, timeout=30) as c:
+            bad = os.open(os.devnull, os.O_RDONLY)
+            os.close(bad)
+            with self.assertRaises(OSError):
+                c.register_buffer(bad, 4096)
+            self.assertFalse(c.closed)
+            before = c.stats()["tapes"]
+            _, tape = c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["x"])
+            del tape
+            gc.collect()
+            c.call("hello")
+            self.assertEqual(c.stats()["tapes"], before)
+
     def test_a_forked_child_leaves_the_parents_connection_alone(self):
         """A child neither writes on its parent's connection nor releases
         the parent's tapes when its copies are collected (a child that
@@ -530,19 +577,30 @@ class DaemonTest(DaemonCase):
         W, x, _ = self.data()
         with pullbackd.Client(self.path, timeout=30) as c:
             _, tape = c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["x"])
+            other = pullbackd.Client(self.path, timeout=30)
+            conns = c.stats()["connections"]
             pid = os.fork()
-            if pid == 0:  # the child: collect its copy of the tape, then try to write
+            if pid == 0:  # the child: collect its copy of the tape, then try to use the client
                 code = 0
                 try:
                     del tape
                     gc.collect()
-                    try:
-                        c.hello()
-                        code = 3
-                    except ConnectionError:
-                        pass
+                    for use in (c.hello, c.recv, lambda: c.wait(1)):
+                        try:
+                            use()
+                            code = 3
+                        except ConnectionError:
+                            pass
+                    code = code or (0 if c.closed else 4)
+                    time.sleep(1.5)  # alive while the parent closes `other`
                 finally:
                     os._exit(code)
+            # The child's copy of the socket is closed: the parent's close reaches the daemon.
+            other.close()
+            deadline = time.monotonic() + 1.0
+            while c.stats()["connections"] != conns - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.assertEqual(c.stats()["connections"], conns - 1)
             _, status = os.waitpid(pid, 0)
             self.assertEqual(os.waitstatus_to_exitcode(status), 0)
             g = c.reverse(tape, {"y": np.ones((3, 5))})

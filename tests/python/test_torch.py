@@ -356,8 +356,10 @@ class ReconnectTest(DaemonCase):
     DAEMON_ARGS = ["--max-message-bytes", "1M"]
 
     def test_default_client_reconnects_after_the_daemon_closed_it(self):
-        with unittest.mock.patch.dict(os.environ, {"PULLBACKD_SOCKET": self.path}):
-            pt.set_default_client(None)
+        # to where the client it replaces was connected, not the default path
+        nowhere = os.path.join(os.path.dirname(self.path), "nowhere.sock")
+        with unittest.mock.patch.dict(os.environ, {"PULLBACKD_SOCKET": nowhere}):
+            pt.set_default_client(pullbackd.Client(self.path, timeout=20))
             try:
                 W = rand(2, 3)
                 first = pt.default_client()

@@ -34,6 +34,7 @@ import struct
 import sys
 import threading
 import warnings
+import weakref
 
 import msgpack
 import numpy as np
@@ -414,12 +415,15 @@ def _pack(msg):
     return parts
 
 
-def _sendmsg_all(sock, parts, fds=None):
-    """Send every chunk; fds ride (SCM_RIGHTS) with the first bytes."""
+def _sendmsg_all(sock, parts, fds=None, sent=None):
+    """Send every chunk; fds ride (SCM_RIGHTS) with the first bytes.
+    sent[0] (a list, when given) counts the bytes out, a failure included."""
     views = [memoryview(p) for p in parts if len(p)]
     anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     while views:
         n = sock.sendmsg(views[:_IOV_MAX], anc)
+        if sent is not None:
+            sent[0] += n
         anc = []
         while n and views:
             if n >= len(views[0]):
@@ -547,6 +551,17 @@ class Tape:
         return f"Tape(handle={self.handle}, tape_bytes={self.tape_bytes})"
 
 
+_clients = weakref.WeakSet()  # every live Client, for _after_fork_in_child
+
+
+def _after_fork_in_child():
+    for client in list(_clients):
+        client._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Client:
     """One connection to pullbackd; a context manager.
 
@@ -565,12 +580,13 @@ class Client:
     """
 
     # Big reply buffers kept for reuse per client (see _ReplyBuffers): per
-    # client rather than per process because close() can free them; the
-    # receive path holds _read_lock.
+    # client rather than per process because close() can free them; one
+    # thread at a time reads (_reading, under _cond).
     reply_buffers = 4
     reply_buffer_bytes = 512 << 20
 
     def __init__(self, path=None, timeout=None):
+        self.path, self.timeout = path, timeout  # what a replacement connects with (pullbackd.torch)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.settimeout(timeout)
@@ -598,12 +614,16 @@ class Client:
         self._next_msgid = 1
         self._stash = {}  # msgid -> result or PullbackError, received out of turn
         self._write_lock = threading.Lock()
-        self._read_lock = threading.RLock()  # the receive buffers, _stash and the socket's reading side
         self._id_lock = threading.Lock()
+        # _stash and _reading: one thread reads the socket (and owns the
+        # receive buffers) while the others wait on _cond for their reply
+        self._cond = threading.Condition(threading.Lock())
+        self._reading = False
         self._pid = os.getpid()
         self._broken = None  # why the connection broke, once it did
         self._deferred_releases = []  # handles of collected tapes, sent with the next message
         self.last_warnings = []
+        _clients.add(self)
 
     @property
     def closed(self):
@@ -615,6 +635,26 @@ class Client:
         if self._broken is None:
             self._broken = why
         return why
+
+    def _mine(self):
+        """Refuse a forked child's use of its parent's connection."""
+        if os.getpid() != self._pid:
+            raise ConnectionError(f"this Client was made by process {self._pid}: a forked child must make its "
+                                  "own (using this one would corrupt the parent's stream)")
+
+    def _forked(self):
+        """In a forked child (os.register_at_fork): fresh locks, and the
+        child's copy of the parent's socket closed, so that the parent's
+        close() reaches the daemon."""
+        self._write_lock, self._id_lock = threading.Lock(), threading.Lock()
+        self._cond, self._reading = threading.Condition(threading.Lock()), False
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+        self._deferred_releases = []
 
     def close(self):
         """Send any pending tape releases and close the connection."""
@@ -641,26 +681,31 @@ class Client:
         """Send one message, preceded by the releases of collected tapes.
 
         fds ride as SCM_RIGHTS on the sendmsg that carries the message's first
-        bytes; big tensors go out from their own memory (_pack).
+        bytes; big tensors go out from their own memory (_pack). A failure
+        after some bytes went out breaks the connection (the daemon would
+        read what comes next as the rest); one before leaves it as it was.
         """
+        self._mine()
         if self._sock is None:
             raise ConnectionError("the client is closed")
-        if os.getpid() != self._pid:
-            raise ConnectionError(f"this Client was made by process {self._pid}: a forked child must make its "
-                                  "own (writing here would corrupt the parent's stream)")
         parts = _pack(msg)
         with self._write_lock:
-            self._send_releases()
-            if fds or len(parts) > 1:
-                _sendmsg_all(self._sock, parts, fds)
-            else:
-                self._sock.sendall(parts[0])
+            sent = [0]
+            try:
+                self._send_releases(sent)
+                _sendmsg_all(self._sock, parts, fds, sent)
+            except (BrokenPipeError, ConnectionResetError):
+                raise  # the daemon is gone: send() breaks it, after reading why
+            except OSError as e:
+                if sent[0]:
+                    self._break(e)
+                raise
 
-    def _send_releases(self):
+    def _send_releases(self, sent=None):
         """Send the deferred release notifications; the caller holds the write lock."""
         while self._sock is not None and self._deferred_releases:
             handle = self._deferred_releases.pop()
-            self._sock.sendall(msgpack.packb([2, "release", [{"tape": handle}]]))
+            _sendmsg_all(self._sock, [msgpack.packb([2, "release", [{"tape": handle}]])], None, sent)
 
     def _release_later(self, handle):
         """Release a collected tape now, or with the next message while a send is under way."""
@@ -678,6 +723,7 @@ class Client:
 
         ``fds`` (file descriptors) are passed with it, as register_buffer wants.
         """
+        self._mine()
         with self._id_lock:
             msgid = self._next_msgid
             self._next_msgid = (msgid + 1) & 0xFFFFFFFF or 1  # msgid 0 is the daemon's for parse errors
@@ -685,34 +731,32 @@ class Client:
             self._write([0, msgid, method, [params or {}]], fds)
         except (BrokenPipeError, ConnectionResetError) as e:
             raise self._break(self._why_closed() or e)
-        except OSError as e:
-            if self._sock is not None and os.getpid() == self._pid:
-                raise self._break(e)  # part of the message may be out: the stream is lost
-            raise
         return msgid
 
     def _why_closed(self):
         """The error the daemon sent under msgid 0 before it closed the
         connection (a connection past max_connections_per_uid, a parse
         error), read from what is left in the socket; None if it sent none."""
+        if not self._start_reading(lambda: False):
+            return None
         try:
-            with self._read_lock:
-                while True:
-                    got, value = self._read_reply()
-                    if got == 0 and isinstance(value, PullbackError):
-                        return value
+            while True:
+                got, value = self._read_reply()
+                if got == 0 and isinstance(value, PullbackError):
+                    return value
+                with self._cond:
                     self._stash[got] = value
         except (OSError, ValueError):
             return None
+        finally:
+            self._stop_reading(None, None)
 
     def notify(self, method, params=None):
         """Send a notification (no reply comes)."""
         try:
             self._write([2, method, [params or {}]])
-        except OSError as e:
-            if self._sock is not None and os.getpid() == self._pid:
-                raise self._break(e)
-            raise
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise self._break(e)
 
     def _fill(self, need):
         """Receive until at least `need` bytes lie undecoded in the buffer.
@@ -724,7 +768,8 @@ class Client:
         message is never left in it.  Reads stop _SLACK past the need in a
         reply buffer, so that what follows a big message (copied back to
         the small buffer) stays short."""
-        if self._sock is None:
+        sock = self._sock  # close() from another thread makes recv_into fail, not this a None
+        if sock is None:
             raise ConnectionError("the client is closed")
         have = self._rend - self._rpos
         if self._rpos + need > len(self._rbuf):
@@ -742,7 +787,7 @@ class Client:
         stop = len(view) if self._rbuf is self._small else min(len(view), self._rpos + need + _SLACK)
         while self._rend - self._rpos < need:
             try:
-                n = self._sock.recv_into(view[self._rend:stop])
+                n = sock.recv_into(view[self._rend:stop])
             except socket.timeout:
                 raise  # the bytes read so far stay: a later call goes on from them
             except OSError as e:
@@ -805,32 +850,62 @@ class Client:
         details = {k: v for k, v in error.items() if k not in ("code", "message")}
         return msgid, PullbackError(error.get("code"), error.get("message", ""), details)
 
+    def _start_reading(self, ready):
+        """Become the thread that reads the socket, unless ready() (called
+        under _cond: the reply wanted is stashed) turns true first; False
+        then."""
+        with self._cond:
+            while self._reading and not ready():
+                self._cond.wait()
+            if ready():
+                return False
+            self._reading = True
+            return True
+
+    def _stop_reading(self, got, value):
+        """Stop reading, stashing the reply read for whoever waits for it."""
+        with self._cond:
+            if got is not None:
+                self._stash[got] = value
+            self._reading = False
+            self._cond.notify_all()
+
     def recv(self):
         """The next reply, in arrival order: (msgid, result or PullbackError)."""
-        with self._read_lock:
-            if self._stash:
-                msgid = next(iter(self._stash))
-                return msgid, self._stash.pop(msgid)
-            return self._read_reply()
+        self._mine()
+        got = value = None
+        if self._start_reading(lambda: bool(self._stash)):
+            try:
+                got, value = self._read_reply()
+            finally:
+                self._stop_reading(None, None)
+            return got, value
+        with self._cond:
+            msgid = next(iter(self._stash))
+            return msgid, self._stash.pop(msgid)
 
     def wait(self, msgid):
         """The result for msgid (raises its PullbackError); other replies are kept for recv.
 
-        Threads waiting at once take turns reading, one reply each, and
-        leave the others' replies in _stash for them."""
-        while True:
-            with self._read_lock:
-                if msgid in self._stash:
-                    value = self._stash.pop(msgid)
-                    break
+        Threads waiting at once take turns reading the socket; each reply
+        read is stashed for its own waiter, who is woken at once."""
+        self._mine()
+        while self._start_reading(lambda: msgid in self._stash):
+            got = value = None
+            try:
                 got, value = self._read_reply()
-                if got == msgid:
-                    break
-                if got == 0 and isinstance(value, PullbackError):
-                    # parse_error or invalid_request the daemon could not
-                    # pair; after a parse_error it closes the connection
-                    raise self._break(value) if value.code == "parse_error" else value
-                self._stash[got] = value
+            finally:
+                mine = got == msgid or got == 0
+                self._stop_reading(None if mine else got, value)
+            if got == msgid:
+                break
+            if got == 0 and isinstance(value, PullbackError):
+                # parse_error or invalid_request the daemon could not
+                # pair; after a parse_error it closes the connection
+                raise self._break(value) if value.code == "parse_error" else value
+        else:
+            with self._cond:
+                value = self._stash.pop(msgid)
         if isinstance(value, PullbackError):
             raise value
         return value

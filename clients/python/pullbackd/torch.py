@@ -80,9 +80,11 @@ def default_client():
     global _default, _default_pid
     with _default_lock:
         if _default is None or _default.closed or _default_pid != os.getpid():
-            if _default is not None and _default_pid == os.getpid():
-                _default.close()  # broken: its socket goes
-            _default = _pb.Client()  # a fork's child never writes on its parent's connection
+            old = _default
+            if old is not None and _default_pid == os.getpid():
+                old.close()  # broken: its socket goes
+            # a replacement connects where the one it replaces did (set_default_client's path and timeout)
+            _default = _pb.Client(old.path, old.timeout) if old is not None else _pb.Client()  # a fork's child never writes on its parent's connection
             _default_pid = os.getpid()
         return _default
 
