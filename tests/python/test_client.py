@@ -578,6 +578,7 @@ class DaemonTest(DaemonCase):
         with pullbackd.Client(self.path, timeout=30) as c:
             _, tape = c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["x"])
             other = pullbackd.Client(self.path, timeout=30)
+            other.hello()  # accepted by now: counted below
             conns = c.stats()["connections"]
             pid = os.fork()
             if pid == 0:  # the child: collect its copy of the tape, then try to use the client
