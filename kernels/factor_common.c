@@ -120,23 +120,27 @@ void pb__fz_sized(pb_call_t *c, size_t tape, bool square)
 
 /* ---- the ends of forward and reverse ----------------------------------------- */
 
-bool pb__fz_all_finite(const pb_tensor_t *t)
+bool pb__fz_finite(const void *x, size_t n, pb_dtype_t d)
 {
-    if (t->storage == NULL)
-        return true;
-    size_t n = pb_tensor_count(t) * (pb_dtype_is_complex(t->dtype) ? 2 : 1);
-    if (single(t->dtype)) {
-        const float *x = pb_tensor_data(t);
+    /* x − x is 0 for every finite x; a complex value as its two parts */
+    n *= pb_dtype_is_complex(d) ? 2 : 1;
+    if (single(d)) {
+        const float *f = x;
         float bad = 0;
         for (size_t i = 0; i < n; i++)
-            bad += x[i] - x[i];
+            bad += f[i] - f[i];
         return bad == 0;
     }
-    const double *x = pb_tensor_data(t);
+    const double *v = x;
     double bad = 0;
     for (size_t i = 0; i < n; i++)
-        bad += x[i] - x[i];
+        bad += v[i] - v[i];
     return bad == 0;
+}
+
+bool pb__fz_all_finite(const pb_tensor_t *t)
+{
+    return t->storage == NULL || pb__fz_finite(pb_tensor_data(t), pb_tensor_count(t), t->dtype);
 }
 
 /* LAPACKE checks every array it is given for NaN and refuses it as an

@@ -93,7 +93,9 @@ int pb__fz_opt(const pb_op_t *op, const char *name);
  * default gauge_atol needs the cotangents and is set by the reverse. */
 void pb__fz_resolve(const pb_op_t *op, const pb_optval_t *opt, double amax, pb_dtype_t d, int k, fz_opts_t *o);
 
-/* False when one of t's entries is NaN or Inf (true for an absent t). */
+/* False when one of the n values of dtype d at x is NaN or Inf;
+ * all_finite: the same for a tensor (true for an absent one). */
+bool pb__fz_finite(const void *x, size_t n, pb_dtype_t d);
 bool pb__fz_all_finite(const pb_tensor_t *t);
 
 /* Once per process, before LAPACK runs: LAPACKE's NaN check off (why:

@@ -276,15 +276,6 @@ static int FN(input)(const pb_call_t *c, pb_tapedata_t *tape, T **A, fz_opts_t *
     return 0;
 }
 
-/* False when one of x's n entries is NaN or Inf. */
-static bool FN(finite)(const T *x, size_t n)
-{
-    double bad = 0;
-    for (size_t i = 0; i < n; i++)
-        bad += (RE(x[i]) - RE(x[i])) + (IM(x[i]) - IM(x[i]));
-    return bad == 0;
-}
-
 /* Frobenius norm of a tensor's entries (0 for an absent one). */
 static double FN(tnorm)(const pb_tensor_t *t)
 {
@@ -354,7 +345,7 @@ int FZ(reverse)(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_t *gra
     int rc = FN(rev_begin)(t, cot, &op, &dA);
     if (rc == 0)
         rc = pullback(t, cot, &op, dA, &gauge, err);
-    if (rc == 0 && !FN(finite)(dA, (size_t)t->in_meta[0].shape[0] * t->in_meta[0].shape[1])) {
+    if (rc == 0 && !pb__fz_finite(dA, (size_t)t->in_meta[0].shape[0] * t->in_meta[0].shape[1], DT)) {
         bool cots = true; /* a NaN or Inf cotangent propagates, as it should */
         for (int i = 0; i < t->op->noutputs; i++)
             cots = cots && pb__fz_all_finite(&cot[i]);
