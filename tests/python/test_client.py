@@ -239,6 +239,45 @@ class FakeDaemonTest(unittest.TestCase):
         c.close()
         fake.join(5)
 
+    def test_a_call_given_up_leaves_nothing_behind(self):
+        """A call that times out (or is interrupted) gives its msgid up: its
+        late reply is dropped, not kept forever nor handed to recv(), and a
+        tape or buffer it made is released (it used to hold its bytes until
+        ttl_s, or the buffer until the connection closed)."""
+        held = []
+
+        def handler(msg):
+            if msg[0] == 2:
+                return []
+            if msg[2] in ("augmented_forward", "register_buffer"):
+                held.append(msg[1])
+                return []
+            late = [{"outputs": {}, "tape": 7, "tape_bytes": 64}, {"buffer": 9}]
+            replies = [[1, h, None, r] for h, r in zip(held, late)] + [[1, msg[1], None, {"m": msg[2]}]]
+            held.clear()
+            return replies
+
+        fake, c = self.serve(handler)
+        c._sock.settimeout(0.2)
+        x = np.ones(2)
+        with self.assertRaises(socket.timeout):
+            c.augmented_forward("fused_dense", {"weight": x[None], "x": x}, wrt=["x"])
+        r, w = os.pipe()
+        try:
+            with self.assertRaises(socket.timeout):
+                c.register_buffer(r, 4096)
+        finally:
+            os.close(r), os.close(w)
+        c._sock.settimeout(5)
+        self.assertEqual(c.call("finish"), {"m": "finish"})  # reads both late replies first
+        self.assertEqual(c._stash, {})
+        msgid = c.send("next")
+        self.assertEqual(c.recv(), (msgid, {"m": "next"}))
+        c.close()
+        fake.join(5)
+        notes = [m for m in fake.received if m[0] == 2]
+        self.assertEqual(sorted(notes), [[2, "release", [{"tape": 7}]], [2, "unregister_buffer", [{"buffer": 9}]]])
+
     def test_params_on_the_wire(self):
         replies = {
             "forward": {"outputs": {"y": {"dtype": "f64", "shape": [1], "order": "C", "data": b"\0" * 8}}},

@@ -566,7 +566,9 @@ class Client:
     """One connection to pullbackd; a context manager.
 
     ``path`` defaults to socket_path(); ``timeout`` (seconds) bounds every
-    socket operation (None waits forever).
+    socket operation (None waits forever). A call that stops waiting (a
+    timeout, KeyboardInterrupt) gives its reply up: it is dropped when it
+    comes, and the tape or buffer it made is released then.
 
     Threads may share a Client: each call (hello, forward, reverse, ...)
     gets its own reply by msgid, whichever thread reads it. ``send`` and
@@ -613,6 +615,7 @@ class Client:
         self._first_need = 0
         self._next_msgid = 1
         self._stash = {}  # msgid -> result or PullbackError, received out of turn
+        self._given_up = {}  # msgid -> method of a call that stopped waiting: its reply is dropped
         self._write_lock = threading.Lock()
         self._id_lock = threading.Lock()
         # _stash and _reading: one thread reads the socket (and owns the
@@ -621,7 +624,10 @@ class Client:
         self._reading = False
         self._pid = os.getpid()
         self._broken = None  # why the connection broke, once it did
-        self._deferred_releases = []  # handles of collected tapes, sent with the next message
+        # notifications [method, params] freeing what nothing here holds any
+        # more (collected tapes, the tape or buffer of a call given up),
+        # sent with the next message
+        self._deferred = []
         self.last_warnings = []
         _clients.add(self)
 
@@ -654,7 +660,7 @@ class Client:
             except OSError:
                 pass
             self._sock = None
-        self._deferred_releases = []
+        self._deferred = []
 
     def close(self):
         """Send any pending tape releases and close the connection."""
@@ -663,7 +669,7 @@ class Client:
         with self._write_lock:
             try:
                 if os.getpid() == self._pid and self._broken is None:
-                    self._send_releases()
+                    self._send_deferred()
             except OSError:
                 pass
             self._sock.close()
@@ -692,7 +698,7 @@ class Client:
         with self._write_lock:
             sent = [0]
             try:
-                self._send_releases(sent)
+                self._send_deferred(sent)
                 _sendmsg_all(self._sock, parts, fds, sent)
             except (BrokenPipeError, ConnectionResetError):
                 raise  # the daemon is gone: send() breaks it, after reading why
@@ -701,22 +707,54 @@ class Client:
                     self._break(e)
                 raise
 
-    def _send_releases(self, sent=None):
-        """Send the deferred release notifications; the caller holds the write lock."""
-        while self._sock is not None and self._deferred_releases:
-            handle = self._deferred_releases.pop()
-            _sendmsg_all(self._sock, [msgpack.packb([2, "release", [{"tape": handle}]])], None, sent)
+    def _send_deferred(self, sent=None):
+        """Send the deferred notifications; the caller holds the write lock."""
+        while self._sock is not None and self._deferred:
+            method, params = self._deferred.pop()
+            _sendmsg_all(self._sock, [msgpack.packb([2, method, [params]])], None, sent)
+
+    def _notify_later(self, method, params):
+        """Send a notification now, or with the next message while a send is under way."""
+        if self._sock is None or os.getpid() != self._pid or self._broken is not None:
+            return  # a forked child's copy of a parent's tape is the parent's to release
+        self._deferred.append((method, params))
+        if self._write_lock.acquire(blocking=False):
+            try:
+                self._send_deferred()
+            finally:
+                self._write_lock.release()
 
     def _release_later(self, handle):
         """Release a collected tape now, or with the next message while a send is under way."""
-        if self._sock is None or os.getpid() != self._pid or self._broken is not None:
-            return  # a forked child's copy of a parent's tape is the parent's to release
-        self._deferred_releases.append(handle)
-        if self._write_lock.acquire(blocking=False):
-            try:
-                self._send_releases()
-            finally:
-                self._write_lock.release()
+        self._notify_later("release", {"tape": handle})
+
+    def _give_up(self, msgid, method):
+        """Stop waiting for msgid (its call timed out or was interrupted): its
+        reply is dropped when it comes, and what it made (a tape, a buffer)
+        that nothing here will ever name is freed."""
+        with self._cond:
+            if msgid not in self._stash:
+                self._given_up[msgid] = method
+                return
+            value = self._stash.pop(msgid)
+        self._drop(method, value)
+
+    def _drop(self, method, value):
+        """Free what the reply of a call given up made."""
+        if not isinstance(value, dict):
+            return
+        if method == "augmented_forward" and isinstance(value.get("tape"), int):
+            self._release_later(value["tape"])
+        elif method == "register_buffer" and isinstance(value.get("buffer"), int):
+            self._notify_later("unregister_buffer", {"buffer": value["buffer"]})
+
+    def _keep(self, got, value):
+        """Stash a reply read out of turn; under _cond.  Returns the method
+        of a call given up whose reply it is (for _drop, outside _cond)."""
+        method = self._given_up.pop(got, None)
+        if method is None:
+            self._stash[got] = value
+        return method
 
     def send(self, method, params=None, fds=None):
         """Send a request without waiting for its reply; returns its msgid.
@@ -745,7 +783,9 @@ class Client:
                 if got == 0 and isinstance(value, PullbackError):
                     return value
                 with self._cond:
-                    self._stash[got] = value
+                    dropped = self._keep(got, value)
+                if dropped:
+                    self._drop(dropped, value)
         except (OSError, ValueError):
             return None
         finally:
@@ -864,11 +904,14 @@ class Client:
 
     def _stop_reading(self, got, value):
         """Stop reading, stashing the reply read for whoever waits for it."""
+        dropped = None
         with self._cond:
             if got is not None:
-                self._stash[got] = value
+                dropped = self._keep(got, value)
             self._reading = False
             self._cond.notify_all()
+        if dropped:
+            self._drop(dropped, value)
 
     def recv(self):
         """The next reply, in arrival order: (msgid, result or PullbackError)."""
@@ -876,7 +919,13 @@ class Client:
         got = value = None
         if self._start_reading(lambda: bool(self._stash)):
             try:
-                got, value = self._read_reply()
+                while True:
+                    got, value = self._read_reply()
+                    with self._cond:
+                        dropped = self._given_up.pop(got, None)
+                    if not dropped:
+                        break
+                    self._drop(dropped, value)
             finally:
                 self._stop_reading(None, None)
             return got, value
@@ -910,9 +959,20 @@ class Client:
             raise value
         return value
 
-    def call(self, method, params=None):
-        """Send a request and return its result, or raise its PullbackError."""
-        return self.wait(self.send(method, params))
+    def call(self, method, params=None, fds=None):
+        """Send a request and return its result, or raise its PullbackError.
+
+        A call that stops waiting (the client's timeout, KeyboardInterrupt)
+        gives its reply up: it is dropped when it comes, and a tape or
+        buffer it made is released then."""
+        msgid = self.send(method, params, fds)
+        try:
+            return self.wait(msgid)
+        except PullbackError:
+            raise  # its reply came
+        except BaseException:
+            self._give_up(msgid, method)
+            raise
 
     # -- methods ---------------------------------------------------------
     def hello(self):
@@ -975,7 +1035,7 @@ class Client:
 
         The fd is passed with the request (SCM_RIGHTS); the caller keeps its own.
         """
-        return self.wait(self.send("register_buffer", {"size": int(size)}, fds=[fd]))["buffer"]
+        return self.call("register_buffer", {"size": int(size)}, fds=[fd])["buffer"]
 
     def unregister_buffer(self, buffer):
         """Drop a buffer (an id or SharedBuffer); requests already sent still see it."""
