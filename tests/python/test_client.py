@@ -134,6 +134,31 @@ class CodecTest(unittest.TestCase):
             with self.assertRaises(TypeError):
                 pullbackd.encode_tensor(bad)
 
+    def test_raw_buffers_are_not_numbers(self):
+        """Only python numbers and lists are converted from ints: the bytes of
+        a buffer (bytearray, memoryview, array.array) are not one float64
+        each, and an integer buffer is refused as an integer array is."""
+        import array
+        raw = np.array([1.0, 2.0]).tobytes()
+        for bad in (raw, bytearray(raw), memoryview(raw), array.array("b", [1, 2]), np.int64(3),
+                    memoryview(np.arange(3))):
+            with self.assertRaises(TypeError, msg=repr(bad)):
+                pullbackd.encode_tensor(bad)
+        # a buffer of doubles is its doubles
+        t = pullbackd.encode_tensor(memoryview(np.array([1.0, 2.0])))
+        self.assertEqual((t["dtype"], t["shape"]), ("f64", [2]))
+        self.assertEqual(pullbackd.encode_tensor(array.array("d", [1, 2]))["shape"], [2])
+        self.assertEqual(pullbackd.encode_tensor((1, 2))["dtype"], "f64")
+        self.assertEqual(pullbackd.encode_tensor(True)["dtype"], "f64")
+
+    def test_masked_arrays_are_refused(self):
+        """np.asarray drops a mask: a masked value would be used as if it were data."""
+        m = np.ma.masked_array([[1.0, 1e300], [1.0, 1.0]], mask=[[0, 1], [0, 0]])
+        with self.assertRaisesRegex(TypeError, "masked"):
+            pullbackd.encode_tensor(m)
+        t = pullbackd.encode_tensor(np.ma.masked_array([1.0, 2.0]))  # nothing masked: its data
+        self.assertEqual(bytes(t["data"]), np.array([1.0, 2.0]).tobytes())
+
     def test_decode(self):
         t = {"dtype": "c64", "shape": [2, 0], "order": "C", "data": b""}
         self.assertEqual(pullbackd.decode_tensor(t).shape, (2, 0))

@@ -71,6 +71,21 @@ class SharedMemory(DaemonCase):
             at += (a.nbytes + 4095) // 4096 * 4096
         return out
 
+    def test_put_takes_what_encode_tensor_takes(self):
+        """put converts and refuses as an inline tensor does: a list of
+        ints is float64, big-endian bytes are swapped, an int array and a
+        masked array are refused (they used to land as int64 and as the
+        masked values)."""
+        with self.c.shared_buffer(MIB) as sb:
+            t = sb.put(0, [[1, 2], [3, 4]])
+            self.assertEqual((t.dtype, tuple(t.shape)), ("f64", (2, 2)))
+            t = sb.put(4096, np.array([1.5, -2.0], dtype=">f8"))
+            self.assertEqual(t.dtype, "f64")
+            self.assertEqual(sb.view(t).tolist(), [1.5, -2.0])
+            for bad in (np.arange(3), np.ma.masked_array([1.0, 2.0], mask=[0, 1])):
+                with self.assertRaises(TypeError):
+                    sb.put(8192, bad)
+
     def test_forward_from_buffer(self):
         with self.c.shared_buffer(MIB) as sb:
             for dtype in (np.float64, np.float32):

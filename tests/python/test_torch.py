@@ -330,6 +330,21 @@ class OnceDifferentiableTest(TorchCase):
         y = torch.tanh(W.detach() @ x)
         torch.testing.assert_close(g.detach(), (1 - y ** 2) @ x.T, rtol=1e-12, atol=1e-13)
 
+    def test_derivatives_through_the_cotangent_raise(self):
+        """torch.autograd.functional.jvp differentiates a backward with
+        respect to its incoming gradient: that came out zero (a derivative
+        that never reached the raising node counted as unused), and so did
+        any derivative through a cotangent that requires grad."""
+        x = rand(3, 4, grad=False)
+        with self.assertRaisesRegex(RuntimeError, "differentiable once"):
+            torch.autograd.functional.jvp(lambda W: pt.fused_dense(W, x, act="tanh"), rand(2, 3), rand(2, 3))
+        with self.assertRaisesRegex(RuntimeError, "differentiable once"):
+            torch.autograd.functional.jvp(pt.svd_vals, rand(3, 3), rand(3, 3))
+        A, theta = rand(3, 3), torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+        (gA,) = torch.autograd.grad((pt.svd_vals(A) * theta).sum(), A, create_graph=True)
+        with self.assertRaisesRegex(RuntimeError, "differentiable once"):
+            torch.autograd.grad(gA.square().sum(), theta, allow_unused=True)
+
     def test_forward_ad_raises(self):
         import torch.autograd.forward_ad as fwAD
         W, x = rand(2, 3, grad=False), rand(3, 4, grad=False)

@@ -170,7 +170,7 @@ class SharedBuffer:
 
     def put(self, offset, value):
         """Copy an array (in its own memory order, C unless F-contiguous) to offset; its BufferTensor."""
-        arr = np.asarray(value)
+        arr = _wire_array(value)
         order = "F" if arr.flags.f_contiguous and not arr.flags.c_contiguous else "C"
         self.array(offset, arr.shape, arr.dtype, order)[...] = arr
         return self.tensor(offset, arr.shape, arr.dtype, order)
@@ -203,19 +203,20 @@ class SharedBuffer:
         self.close()
 
 
-def encode_tensor(value):
-    """The wire tensor map of an array (or of anything np.asarray takes).
+def _wire_array(value):
+    """value as a numpy array of a wire dtype, little-endian.
 
-    numpy arrays must be float32, float64, complex64 or complex128 (else
-    TypeError); python numbers and lists of ints become float64. A
-    BufferTensor is sent as the buffer and offset it names.
+    Arrays and buffers (numpy arrays and scalars, memoryviews, array.array,
+    tensors) must be float32, float64, complex64 or complex128 (else
+    TypeError: the bytes of a bytearray are not numbers); python numbers
+    and lists or tuples of ints become float64. A masked array with
+    anything masked is refused (np.asarray would drop its mask).
     """
-    if isinstance(value, BufferTensor):
-        return value.wire()
-    if isinstance(value, (np.ndarray, np.generic)):
-        arr = np.asarray(value)
-    else:
-        arr = np.asarray(value)
+    if isinstance(value, np.ma.MaskedArray) and np.ma.is_masked(value):
+        raise TypeError("pullbackd takes no masked arrays: the masked values would be used as data "
+                        "(fill them first: a.filled(v))")
+    arr = np.asarray(value)
+    if isinstance(value, (bool, int, float, complex, list, tuple)) and not isinstance(value, np.generic):
         if arr.dtype.kind in "biu":
             arr = arr.astype(np.float64)
     wire = arr.dtype.newbyteorder("<")
@@ -223,13 +224,25 @@ def encode_tensor(value):
         raise TypeError(f"pullbackd takes float32, float64, complex64 or complex128 arrays, not {arr.dtype}")
     if arr.dtype != wire:
         arr = arr.astype(wire)  # byteswap; astype keeps the memory layout
+    return arr
+
+
+def encode_tensor(value):
+    """The wire tensor map of an array (or of anything np.asarray takes).
+
+    See _wire_array for what it takes; a BufferTensor is sent as the
+    buffer and offset it names.
+    """
+    if isinstance(value, BufferTensor):
+        return value.wire()
+    arr = _wire_array(value)
     if arr.flags.c_contiguous:
         order, buf = "C", arr
     elif arr.flags.f_contiguous:
         order, buf = "F", arr.T  # the transpose of an F array is C-contiguous over the same bytes
     else:
         order, buf = "C", np.ascontiguousarray(arr)
-    return {"dtype": _WIRE_DTYPES[wire], "shape": list(arr.shape), "order": order, "data": memoryview(buf)}
+    return {"dtype": _WIRE_DTYPES[arr.dtype], "shape": list(arr.shape), "order": order, "data": memoryview(buf)}
 
 
 def decode_tensor(tensor):

@@ -188,7 +188,10 @@ def _once_differentiable(backward):
     back as constants (a Hessian came out zero, a gradient penalty added
     nothing, without an error). Here they come out of a node that raises
     when differentiated, and that node hangs on the inputs (ctx.diff_inputs)
-    too, so that a derivative with respect to them reaches it."""
+    and on the incoming gradients that require grad too, so that a
+    derivative with respect to either reaches it (one with respect to the
+    incoming gradient, as torch.autograd.functional.jvp takes, came out
+    zero: unused)."""
     def wrapper(ctx, *grads):
         with torch.no_grad():
             outputs = backward(ctx, *grads)
@@ -196,7 +199,7 @@ def _once_differentiable(backward):
             return outputs
         if _DelayedError is None:
             raise RuntimeError(_TWICE)
-        ins = ctx.diff_inputs
+        ins = ctx.diff_inputs + tuple(g for g in grads if g is not None and g.requires_grad)
         err = _DelayedError(_TWICE.encode(), len(outputs) + len(ins))
 
         def alias(o):
