@@ -7,6 +7,20 @@ static void FN(gemm)(CBLAS_ORDER layout, CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb,
                      int ldc)
 {
     T al = TSCALAR(alpha), be = TSCALAR(beta);
+    if (al == 0) {
+        /* BLAS reads neither a nor b then (NaN and Inf there reach
+         * nothing) and C only for beta ≠ 0; OpenBLAS 0.3.21's small-matrix
+         * kernels (SkylakeX, Cooperlake: M·N·K ≤ 10⁶) multiply by alpha. */
+        int rows = layout == CblasColMajor ? m : n, cols = layout == CblasColMajor ? n : m;
+        if (be == 1)
+            return;
+        for (int j = 0; j < cols; j++) {
+            T *col = (T *)c + (size_t)j * (size_t)ldc;
+            for (int i = 0; i < rows; i++)
+                col[i] = be == 0 ? 0 : be * col[i];
+        }
+        return;
+    }
     CBLAS(gemm)(layout, ta, tb, m, n, k, SCAL(al), a, lda, b, ldb, SCAL(be), c, ldc);
 }
 

@@ -397,6 +397,61 @@ static void gemm_split_matches(void **state)
     openblas_set_num_threads(threads);
 }
 
+/* alpha = 0 as BLAS defines it: a and b are not read (NaN and Inf there
+ * reach nothing), C = beta·C, and with beta = 0 C is not read either.
+ * OpenBLAS 0.3.21's small-matrix GEMM kernels (SkylakeX, Cooperlake) do
+ * multiply by alpha: a NaN in a reached C through them. */
+static void gemm_alpha_zero(void **state)
+{
+    (void)state;
+    static const int shapes[][3] = {{2, 3, 4}, {40, 50, 30}, {96, 100, 90}, {200, 300, 100}};
+    for (int d = 0; d < PB_NDTYPES; d++) {
+        size_t ss = d == PB_F32 || d == PB_C64 ? 4 : 8, per = d == PB_C64 || d == PB_C128 ? 2 : 1;
+        for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+            int m = shapes[si][0], n = shapes[si][1], k = shapes[si][2];
+            size_t na = (size_t)m * k * per, nb = (size_t)k * n * per, nc = (size_t)m * n * per;
+            void *a = malloc(na * ss), *b = malloc(nb * ss), *c = malloc(nc * ss), *want = malloc(nc * ss);
+            fill(a, na, ss, 1);
+            fill(b, nb, ss, 2);
+            for (int beta0 = 0; beta0 < 2; beta0++)
+                for (int t = 0; t < 2; t++) {
+                    /* NaN and Inf in a and b, everywhere in a's first column */
+                    for (size_t i = 0; i < (size_t)m * per; i++) {
+                        if (ss == 4)
+                            ((float *)a)[i] = i % 2 ? NAN : INFINITY;
+                        else
+                            ((double *)a)[i] = i % 2 ? NAN : INFINITY;
+                    }
+                    if (ss == 4)
+                        ((float *)b)[nb - 1] = NAN;
+                    else
+                        ((double *)b)[nb - 1] = NAN;
+                    fill(c, nc, ss, 3);
+                    for (size_t i = 0; i < nc; i++) {
+                        double v = ss == 4 ? ((float *)c)[i] : ((double *)c)[i];
+                        double w = beta0 ? 0 : 0.5 * v;
+                        if (beta0)
+                            v = NAN; /* beta = 0: C is not read */
+                        if (ss == 4)
+                            ((float *)c)[i] = (float)v, ((float *)want)[i] = (float)w;
+                        else
+                            ((double *)c)[i] = v, ((double *)want)[i] = w;
+                    }
+                    char ta = t ? (per == 2 ? 'C' : 'T') : 'N';
+                    pb_scalar_t alpha = {t ? -0.0 : 0.0, 0}, beta = {beta0 ? 0 : 0.5, 0};
+                    (void)lend(NHELPERS); /* the largest shape splits */
+                    pb_gemm_cm(d, ta, 'N', m, n, k, alpha, a, t ? k : m, b, k, beta, c, m);
+                    if (memcmp(c, want, nc * ss) != 0)
+                        fail_msg("dtype %d, %dx%dx%d, op %c, beta %g: C is not beta·C", d, m, n, k, ta, beta.re);
+                }
+            free(a);
+            free(b);
+            free(c);
+            free(want);
+        }
+    }
+}
+
 /* pb_gemm on views: C and F orders of every operand, split or not, against
  * a plain triple loop. */
 static void gemm_views(void **state)
@@ -838,14 +893,16 @@ static void lapack_svd_gemvs_split(void **state)
     free(work);
 }
 
-/* The bitwise claims (kernels/blas.c) hold on each x86-64 core type
+/* The bitwise claims (kernels/blas.c), and alpha = 0 not reading a and b,
+ * hold on each x86-64 core type
  * OpenBLAS has kernels for, not only this machine's: run those tests again
  * in a child per core type this CPU can execute (OPENBLAS_CORETYPE is read
  * when OpenBLAS loads; the child checks that it took).  Not under
  * valgrind, where one child would take minutes, nor under ASan: it checks
  * numbers, which the release build's run covers. */
 static const struct CMUnitTest bitwise_tests[] = {
-    cmocka_unit_test(gemm_split_matches), cmocka_unit_test(gemv_split_matches), cmocka_unit_test(gemv_edges)};
+    cmocka_unit_test(gemm_split_matches), cmocka_unit_test(gemv_split_matches), cmocka_unit_test(gemv_edges),
+    cmocka_unit_test(gemm_alpha_zero)};
 
 extern char **environ;
 
@@ -928,7 +985,7 @@ int main(void)
         cmocka_unit_test(strided_reduction_not_split), cmocka_unit_test(lapack_gemm_entry),
         cmocka_unit_test(lapack_calls_split), cmocka_unit_test(gemv_split_matches),
         cmocka_unit_test(lapack_gemv_entry), cmocka_unit_test(lapack_svd_gemvs_split),
-        cmocka_unit_test(gemv_edges), cmocka_unit_test(bitwise_on_each_core_type),
+        cmocka_unit_test(gemv_edges), cmocka_unit_test(gemm_alpha_zero), cmocka_unit_test(bitwise_on_each_core_type),
     };
     return cmocka_run_group_tests_name("unit.par", tests, setup, teardown);
 }
