@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -38,6 +39,43 @@ typedef struct reg_slot {
 static _Atomic(reg_slot_t *) chunks[NCHUNKS];
 static pthread_mutex_t reg_lock = PTHREAD_MUTEX_INITIALIZER;
 static size_t reg_count, reg_bytes; /* under reg_lock */
+static size_t reg_max;              /* under reg_lock; 0 until set from the kernel's limit */
+
+/* Half of vm.max_map_count, at most PB_SHM_MAX_MAPPINGS: past the kernel's
+ * limit every mmap of the process fails (malloc's large blocks, thread
+ * stacks, the reads of other connections), so the buffers of one client
+ * must stop well before it.  Under reg_lock. */
+static size_t max_mappings(void)
+{
+    if (reg_max == 0) {
+        long v = 0;
+        FILE *f = fopen("/proc/sys/vm/max_map_count", "re");
+        if (f) {
+            if (fscanf(f, "%ld", &v) != 1)
+                v = 0;
+            fclose(f);
+        }
+        reg_max = v > 2 ? (size_t)v / 2 : 32768;
+        if (reg_max > PB_SHM_MAX_MAPPINGS)
+            reg_max = PB_SHM_MAX_MAPPINGS;
+    }
+    return reg_max;
+}
+
+size_t pb_shm_max_mappings(void)
+{
+    pthread_mutex_lock(&reg_lock);
+    size_t n = max_mappings();
+    pthread_mutex_unlock(&reg_lock);
+    return n;
+}
+
+void pb_shm_set_max_mappings(size_t n)
+{
+    pthread_mutex_lock(&reg_lock);
+    reg_max = n > PB_SHM_MAX_MAPPINGS ? PB_SHM_MAX_MAPPINGS : n;
+    pthread_mutex_unlock(&reg_lock);
+}
 
 static pthread_once_t bus_once = PTHREAD_ONCE_INIT;
 static int bus_rc;
@@ -48,6 +86,8 @@ typedef struct pb_shm {
     uint64_t id;
     size_t len;      /* bytes mapped (whole pages) */
     bool writable;
+    dev_t dev;       /* the file mapped: two registrations of one memfd */
+    ino_t ino;       /* (on one connection or two) map the same bytes */
     reg_slot_t *slot;
 } pb_shm_t;
 
@@ -119,7 +159,7 @@ static reg_slot_t *slot_take(uintptr_t base, size_t len, int prot, size_t size)
 {
     reg_slot_t *got = NULL;
     pthread_mutex_lock(&reg_lock);
-    for (int c = 0; c < NCHUNKS && got == NULL; c++) {
+    for (int c = 0; c < NCHUNKS && got == NULL && reg_count < max_mappings(); c++) {
         reg_slot_t *ch = atomic_load(&chunks[c]);
         if (ch == NULL) {
             ch = calloc(CHUNK, sizeof *ch);
@@ -186,6 +226,24 @@ uint64_t pb_shm_id(const pb_storage_t *s)
     return s && s->kind == PB_STORAGE_SHM ? ((const pb_shm_t *)s->free_ctx)->id : 0;
 }
 
+bool pb_shm_same_file(const pb_storage_t *a, const pb_storage_t *b)
+{
+    if (a == b)
+        return a != NULL;
+    if (a == NULL || b == NULL || a->kind != PB_STORAGE_SHM || b->kind != PB_STORAGE_SHM)
+        return false;
+    const pb_shm_t *x = a->free_ctx, *y = b->free_ctx;
+    return x->dev == y->dev && x->ino == y->ino;
+}
+
+uint64_t pb_shm_file_key(const pb_storage_t *s)
+{
+    if (s == NULL || s->kind != PB_STORAGE_SHM)
+        return (uint64_t)(uintptr_t)s;
+    const pb_shm_t *m = s->free_ctx;
+    return (uint64_t)m->ino * 0x9E3779B97F4A7C15ull ^ (uint64_t)m->dev;
+}
+
 /* ---- tables ------------------------------------------------------------- */
 
 void pb_buffers_init(pb_buffers_t *b)
@@ -208,6 +266,13 @@ static const char *file_kind(mode_t m)
 {
     return S_ISSOCK(m) ? "socket" : S_ISFIFO(m) ? "pipe" : S_ISDIR(m) ? "directory" : S_ISCHR(m) ? "character device"
            : S_ISBLK(m) ? "block device" : "special file";
+}
+
+static int full_err(pb_err_t *err)
+{
+    return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, NULL,
+                      "the daemon already maps %zu shared-memory buffers over all connections, its most (half of "
+                      "vm.max_map_count, at most %d)", pb_shm_max_mappings(), PB_SHM_MAX_MAPPINGS);
 }
 
 int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count, size_t max_bytes, uint64_t *id,
@@ -269,6 +334,16 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
         rc = pb_err_set(err, PB_EINVALID_ARGUMENT, NULL, "the file descriptor is not open for reading");
         goto out;
     }
+    {
+        /* Full already: not even one more mapping (slot_take checks again). */
+        pthread_mutex_lock(&reg_lock);
+        bool full = reg_count >= max_mappings();
+        pthread_mutex_unlock(&reg_lock);
+        if (full) {
+            rc = full_err(err);
+            goto out;
+        }
+    }
     pthread_once(&bus_once, bus_install);
     if (bus_rc != 0) {
         rc = pb_err_set(err, PB_EINTERNAL, NULL, "cannot install the SIGBUS handler that shared memory needs");
@@ -292,6 +367,8 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
     /* Read-write when the fd allows it; a read-only fd, or a memfd sealed
      * against writes (EPERM), is mapped read-only and refused as into. */
     m->writable = (fl & O_ACCMODE) == O_RDWR;
+    m->dev = st.st_dev;
+    m->ino = st.st_ino;
     if (m->writable)
         p = mmap(NULL, (size_t)size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED && (!m->writable || errno == EPERM || errno == EACCES)) {
@@ -310,8 +387,7 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
     len = ((size_t)size + pg - 1) / pg * pg;
     slot = slot_take((uintptr_t)p, len, m->writable ? PROT_READ | PROT_WRITE : PROT_READ, (size_t)size);
     if (slot == NULL) {
-        rc = pb_err_set(err, PB_ERESOURCE_EXHAUSTED, NULL, "the daemon already maps %d shared-memory buffers, its most",
-                        PB_SHM_MAX_MAPPINGS);
+        rc = full_err(err);
         goto out;
     }
     m->len = len;

@@ -41,8 +41,8 @@
 #include "../proto/codec.h"
 #include "../proto/errors.h"
 
-/* Mappings the registry holds at most, over all connections (the kernel's
- * default vm.max_map_count is about as many). */
+/* Mappings the registry holds at most, over all connections: half of the
+ * kernel's vm.max_map_count (read once), and never more than this. */
 #define PB_SHM_MAX_MAPPINGS 65536
 
 typedef struct pb_buffer_ent {
@@ -79,6 +79,20 @@ pb_resolver_t pb_buffers_resolver(pb_buffers_t *b);
 bool pb_shm_broken(const pb_storage_t *s);
 bool pb_shm_writable(const pb_storage_t *s);
 uint64_t pb_shm_id(const pb_storage_t *s);
+/* Whether two storages map the same file (a mapping starts at the file's
+ * offset 0, so equal buffer offsets are equal bytes): one storage, or two
+ * registrations of one memfd, on one connection or two.  Non-shm storages
+ * are the same only when they are one. */
+bool pb_shm_same_file(const pb_storage_t *a, const pb_storage_t *b);
+/* A number equal for storages that map the same file (pb_shm_same_file);
+ * any other storage's own address. */
+uint64_t pb_shm_file_key(const pb_storage_t *s);
+
+/* The most mappings the registry holds (see PB_SHM_MAX_MAPPINGS); the
+ * setter is for tests (capped at PB_SHM_MAX_MAPPINGS; 0: the kernel's
+ * limit again). */
+size_t pb_shm_max_mappings(void);
+void pb_shm_set_max_mappings(size_t n);
 
 /* Mappings alive in the process and their registered bytes (stats). */
 void pb_shm_totals(size_t *count, size_t *bytes);

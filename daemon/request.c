@@ -1,7 +1,10 @@
 #include "request.h"
 
+#include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+
+#include "buffer.h"
 
 #define DEFAULT_TTL_MS 600000u
 #define MAX_TTL_S 31536000.0
@@ -277,14 +280,20 @@ int pb_request_into(const msgpack_object *into, const pb_resolver_t *res, const 
         out[idx] = t;
     }
     /* Two results written over each other would leave whichever came
-     * last: refuse it rather than define an order. */
+     * last: refuse it rather than define an order.  Two buffers over one
+     * file (a memfd registered twice) are the same bytes. */
     for (int a = 0; a < n; a++)
         for (int b = a + 1; b < n; b++) {
             const pb_into_t *x = &out[a], *y = &out[b];
-            if (x->storage && x->storage == y->storage && x->room && y->room && x->offset < y->offset + y->room &&
-                y->offset < x->offset + x->room)
+            if (!pb_shm_same_file(x->storage, y->storage) || !x->room || !y->room ||
+                x->offset >= y->offset + y->room || y->offset >= x->offset + x->room)
+                continue;
+            if (x->buffer == y->buffer)
                 return pb_err_set(err, PB_EINVALID_ARGUMENT, "into", "into.%s and into.%s overlap in buffer %llu",
                                   names[a], names[b], (unsigned long long)x->buffer);
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "into",
+                              "into.%s and into.%s overlap: buffers %llu and %llu map the same file", names[a],
+                              names[b], (unsigned long long)x->buffer, (unsigned long long)y->buffer);
         }
     return 0;
 }
@@ -300,6 +309,12 @@ int pb_request_into(const msgpack_object *into, const pb_resolver_t *res, const 
             d_[i_] += s_[i_];                                                                                          \
     } while (0)
 
+/* Accumulating stores are read-add-writes: two at once into the same bytes
+ * (pipelined reverses on two workers, or two connections over one memfd)
+ * would lose one's additions.  One lock per file, striped. */
+#define ACC_STRIPES 64
+static pthread_mutex_t acc_locks[ACC_STRIPES] = {[0 ... ACC_STRIPES - 1] = PTHREAD_MUTEX_INITIALIZER};
+
 int pb_into_store(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb_err_t *err)
 {
     size_t bytes = pb_tensor_bytes(t);
@@ -310,12 +325,18 @@ int pb_into_store(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb
         return 0;
     char *dst = (char *)in->storage->ptr + in->offset;
     const void *src = pb_tensor_data(t);
-    if (!accumulate)
+    if (!accumulate) {
         memmove(dst, src, bytes); /* a result never aliases a buffer, but memmove costs nothing more */
-    else if (t->dtype == PB_F32 || t->dtype == PB_C64)
+        return 0;
+    }
+    uint64_t key = pb_shm_file_key(in->storage);
+    pthread_mutex_t *lk = &acc_locks[(key ^ key >> 29) % ACC_STRIPES];
+    pthread_mutex_lock(lk);
+    if (t->dtype == PB_F32 || t->dtype == PB_C64)
         ADD_INTO(float, dst, src, bytes);
     else
         ADD_INTO(double, dst, src, bytes);
+    pthread_mutex_unlock(lk);
     return 0;
 }
 

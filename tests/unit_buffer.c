@@ -274,11 +274,48 @@ static void limits(void **state)
     pb_buffers_destroy(&b);
 }
 
+/* The registry stops at half of vm.max_map_count (at most
+ * PB_SHM_MAX_MAPPINGS), before the kernel's limit would fail every mmap of
+ * the process; past it, resource_exhausted and nothing mapped. */
+static void registry_cap(void **state)
+{
+    (void)state;
+    long mmc = 0;
+    FILE *f = fopen("/proc/sys/vm/max_map_count", "r");
+    if (f) {
+        assert_int_equal(fscanf(f, "%ld", &mmc), 1);
+        fclose(f);
+        assert_int_equal(pb_shm_max_mappings(), mmc / 2 < PB_SHM_MAX_MAPPINGS ? (size_t)mmc / 2 : PB_SHM_MAX_MAPPINGS);
+    }
+    size_t count, bytes;
+    pb_shm_totals(&count, &bytes);
+    pb_shm_set_max_mappings(count + 2);
+    pb_buffers_t b;
+    pb_buffers_init(&b);
+    pb_err_t err;
+    uint64_t id;
+    assert_int_equal(pb_buffers_register(&b, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    assert_int_equal(pb_buffers_register(&b, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    int fd = memfd(4096, 0);
+    expect(pb_buffers_register(&b, fd, 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED, "",
+           "over all connections, its most (half of vm.max_map_count");
+    assert_false(fd_open(fd));
+    size_t now;
+    pb_shm_totals(&now, &bytes);
+    assert_int_equal(now, count + 2);
+    assert_int_equal(pb_buffers_unregister(&b, 1, &err), 0);
+    assert_int_equal(pb_buffers_register(&b, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    pb_buffers_destroy(&b);
+    pb_shm_set_max_mappings(0);
+    if (mmc)
+        assert_int_equal(pb_shm_max_mappings(), mmc / 2 < PB_SHM_MAX_MAPPINGS ? (size_t)mmc / 2 : PB_SHM_MAX_MAPPINGS);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(register_lookup_release), cmocka_unit_test(bounds), cmocka_unit_test(refusals),
-        cmocka_unit_test(read_only), cmocka_unit_test(limits),
+        cmocka_unit_test(read_only), cmocka_unit_test(limits), cmocka_unit_test(registry_cap),
     };
     return cmocka_run_group_tests_name("unit.buffer", tests, NULL, NULL);
 }

@@ -143,6 +143,57 @@ class SharedMemory(DaemonCase):
                 self.c.reverse(tape, {"y": ybar}, into={"weight": (sb, 256 << 10)}, accumulate=True)
                 self.assertTrue(same(acc, start + want["weight"]))
 
+    def test_concurrent_accumulates_leave_the_sum(self):
+        """Two reverses into one target with accumulate, pipelined so that
+        two workers store at once, leave the sum: the stores are
+        read-add-writes, and one used to overwrite the other's (3 of 10
+        pairs lost elements).  From two connections too, over two
+        registrations of one memfd."""
+        n = 1500
+        W, x = np.ones((n, n)), np.ones((n, 1))
+        other = pullbackd.Client(self.path, timeout=30)
+        try:
+            with self.c.shared_buffer(n * n * 8) as sb:
+                fd2 = os.dup(sb.fd)
+                bid2 = other.register_buffer(fd2, n * n * 8)
+                os.close(fd2)
+                acc = sb.array(0, (n, n), np.float64)
+                for trial in range(12):
+                    acc[...] = 0
+                    tapes = [cl.augmented_forward("fused_dense", {"weight": W, "x": x}, ["weight"])[1]
+                             for cl in (self.c, self.c, other)]
+                    ids = [self.c.send("reverse", {"tape": t.handle, "cotangents": {"y": pullbackd.encode_tensor(x)},
+                                                   "into": {"weight": {"buffer": sb.id, "offset": 0}},
+                                                   "accumulate": True}) for t in tapes[:2]]
+                    ids.append(other.send("reverse", {"tape": tapes[2].handle,
+                                                      "cotangents": {"y": pullbackd.encode_tensor(x)},
+                                                      "into": {"weight": {"buffer": bid2, "offset": 0}},
+                                                      "accumulate": True}))
+                    for t in tapes:
+                        t._done = True  # consumed by the reverses
+                    for cl, i in zip((self.c, self.c, other), ids):
+                        cl.wait(i)
+                    lost = int(np.count_nonzero(acc != 3.0))
+                    self.assertEqual(lost, 0, f"trial {trial}: {lost} elements lost an addition")
+        finally:
+            other.close()
+
+    def test_two_registrations_of_one_file_overlap(self):
+        """into targets in two buffers over the same memfd are the same bytes:
+        overlapping ones are refused as within one buffer."""
+        fd = os.memfd_create("pbpy")
+        try:
+            os.ftruncate(fd, 8192)
+            b1, b2 = self.c.register_buffer(fd, 8192), self.c.register_buffer(fd, 4096)
+        finally:
+            os.close(fd)
+        with self.assertRaises(PullbackError) as cm:
+            self.c.forward("qr_compact", {"A": np.eye(2)}, into={"Q": (b1, 0), "R": (b2, 16)})
+        self.assertEqual(cm.exception.code, "invalid_argument")
+        self.assertIn("overlap", cm.exception.message)
+        got = self.c.forward("qr_compact", {"A": np.eye(2)}, into={"Q": (b1, 4096), "R": (b2, 0)})
+        self.assertEqual(got["R"], BufferTensor(b2, 0, "f64", (2, 2)))
+
     def test_errors(self):
         with self.assertRaises(PullbackError) as cm:
             self.c.call("register_buffer", {"size": 4096})
