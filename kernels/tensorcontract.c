@@ -167,6 +167,27 @@ static uint64_t m_dim(const pb_cspec_t *s, const pb_tensor_t *A, const pb_tensor
     return m < s->noA ? A->shape[(int)s->oA[m]] : B->shape[(int)s->oB[m - s->noA]];
 }
 
+/* What the tape keeps for c's wrt (tensorops.h): B for Ā, A for B̄, and
+ * for ᾱ either M (the output-sized opA(A)·opB(B), permuted) or A and B,
+ * whichever adds fewer bytes.  Needs c->out_meta[0]. */
+typedef struct {
+    bool a, b, m;
+} tc_keep_t;
+
+static tc_keep_t tc_keep(const pb_call_t *c)
+{
+    unsigned w = c->wrt;
+    tc_keep_t k = {(w & (1u << TC_B)) != 0, (w & (1u << TC_A)) != 0, false};
+    if (w & (1u << TC_WALPHA)) {
+        size_t more = (k.a ? 0 : pb_tensor_bytes(&c->in[TC_A])) + (k.b ? 0 : pb_tensor_bytes(&c->in[TC_B]));
+        if (pb_tensor_bytes(&c->out_meta[0]) < more)
+            k.m = true;
+        else
+            k.a = k.b = true;
+    }
+    return k;
+}
+
 static int tc_validate(pb_call_t *c, pb_err_t *err)
 {
     const pb_tensor_t *A = &c->in[TC_A], *B = &c->in[TC_B];
@@ -190,10 +211,9 @@ static int tc_validate(pb_call_t *c, pb_err_t *err)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs", "a matrix side of the contraction exceeds BLAS's 2^31-1");
     if ((rc = pb__tops_set_output(c, nm, shape, err)) || (rc = pb__tops_check_c(c, TC_C, TC_BETA, TC_WBETA, err)))
         return rc;
-    unsigned w = c->wrt;
-    bool wa = w & (1u << TC_WALPHA);
-    c->tape_bytes = pb__tops_tape_of(c, (w & (1u << TC_B)) || wa, (w & (1u << TC_A)) || wa, w & (1u << TC_WBETA), TC_A, TC_B,
-                            TC_C);
+    tc_keep_t k = tc_keep(c);
+    c->tape_bytes = pb__tops_tape_of(c, k.a, k.b, c->wrt & (1u << TC_WBETA), TC_A, TC_B, TC_C) +
+                    (c->taped && k.m ? pb_tensor_bytes(&c->out_meta[0]) : 0);
     c->cost = flops_per(c->dtype) * (2.0 * (double)ni * (double)nj * (double)nk + 2.0 * (double)ni * (double)nj);
     return 0;
 }
@@ -209,21 +229,43 @@ static int tc_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
     const pb_tensor_t *ym = &c->out_meta[0];
     if (pb_tensor_alloc(&y, c->dtype, ym->rank, ym->shape, c->order, false))
         return pb__tops_oom(err, "tensorcontract");
-    pb_scalar_t beta = sc(&c->opt[TC_BETA]);
+    pb_scalar_t alpha = sc(&c->opt[TC_ALPHA]), beta = sc(&c->opt[TC_BETA]);
     pb_tview_t va = pb_tview_of(A), vb = pb_tview_of(B), vy = pb_tview_of(&y), vc;
     if (nonzero(beta))
         vc = pb_tview_of(C);
-    rc = pb_contract(c->dtype, &s, sc(&c->opt[TC_ALPHA]), &va, c->opt[TC_CONJA].b, &vb, c->opt[TC_CONJB].b, beta,
-                     nonzero(beta) ? &vc : NULL, &vy);
-    unsigned w = c->wrt;
-    bool wa = w & (1u << TC_WALPHA);
+    tc_keep_t k = tape ? tc_keep(c) : (tc_keep_t){false, false, false};
+    pb_tensor_t m = {0};
+    if (!k.m)
+        rc = pb_contract(c->dtype, &s, alpha, &va, c->opt[TC_CONJA].b, &vb, c->opt[TC_CONJB].b, beta,
+                         nonzero(beta) ? &vc : NULL, &vy);
+    else if (pb_tensor_alloc(&m, c->dtype, ym->rank, ym->shape, 'C', false))
+        rc = PB_ENOMEM;
+    else {
+        /* M for the tape, then y = alpha·M + beta·C from it (M is read
+         * only for alpha ≠ 0, as BLAS reads A and B). */
+        pb_tview_t vm = pb_tview_of(&m);
+        rc = pb_contract(c->dtype, &s, ONE, &va, c->opt[TC_CONJA].b, &vb, c->opt[TC_CONJB].b, ZERO, NULL, &vm);
+        if (rc == 0 && nonzero(alpha)) {
+            pb_loop_t L;
+            pb__tops_loop_same(&L, &vy, &vm);
+            if (nonzero(beta))
+                for (int d = 0; d < vy.rank; d++)
+                    L.s[2][d] = vc.stride[d];
+            pb_strided(c->dtype, &L, vy.p, vm.p, false, alpha, nonzero(beta) ? vc.p : NULL, beta, false);
+        } else if (rc == 0 && nonzero(beta))
+            pb__tops_scale_into(c->dtype, &y, C, beta, false);
+        else if (rc == 0)
+            pb_tensor_zero(&y);
+    }
     if (rc == 0 && tape)
-        rc = pb__tops_save(c, tape, (w & (1u << TC_B)) || wa, (w & (1u << TC_A)) || wa, w & (1u << TC_WBETA), TC_A, TC_B,
-                  TC_C);
+        rc = pb__tops_save(c, tape, k.a, k.b, c->wrt & (1u << TC_WBETA), TC_A, TC_B, TC_C);
     if (rc) {
+        pb_tensor_clear(&m);
         pb_tensor_clear(&y);
         return pb__tops_oom(err, "tensorcontract");
     }
+    if (k.m)
+        tape->saved[SAVED_M] = m; /* the tape's now */
     c->out[0] = y;
     return 0;
 }
@@ -246,7 +288,10 @@ static int tc_reverse(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_
     bool cx = pb_dtype_is_complex(d);
     bool cjA = cx && t->opt[TC_CONJA].b, cjB = cx && t->opt[TC_CONJB].b;
     pb_scalar_t alpha = sc(&t->opt[TC_ALPHA]);
-    bool wA = t->wrt & (1u << TC_A), wB = t->wrt & (1u << TC_B), wal = t->wrt & (1u << TC_WALPHA);
+    const pb_tensor_t *M = &t->saved[SAVED_M];
+    /* wal: ᾱ from A and B (when the tape kept M, ⟨M, G⟩ at the end) */
+    bool wA = t->wrt & (1u << TC_A), wB = t->wrt & (1u << TC_B),
+         wal = (t->wrt & (1u << TC_WALPHA)) && M->storage == NULL;
     int posO[PB_MAX_RANK];
     for (int k = 0; k < s.noA + s.noB; k++)
         posO[(int)s.pAB[k]] = k;
@@ -312,7 +357,9 @@ static int tc_reverse(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_
             goto nomem;
     }
     pb_tensor_clear(&x);
-    if (wal)
+    if (M->storage)
+        ga = pb__tops_dot_of(d, M, false, G);
+    if (t->wrt & (1u << TC_WALPHA))
         pb__tops_put_scalar(&grad[TC_WALPHA], ga, &t->opt[TC_ALPHA]);
     pb__tops_grads_c_beta(t, G, grad, TC_C, TC_BETA, TC_WBETA);
     return 0;

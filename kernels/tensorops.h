@@ -16,13 +16,17 @@
  * and β̄ are real when the dtype is real or the scalar was sent as a real
  * number (their gradient projected onto the reals, as for a Real in Julia).
  *
- * ᾱ of tensorcontract is recomputed, not kept: ⟨M, G⟩ = ⟨Â, G·B̂ᴴ⟩, and
- * G·B̂ᴴ is the GEMM Ā needs anyway, so with Ā in wrt ᾱ costs one inner
- * product over A (with B̄ only, symmetrically over B); with neither it
- * costs one GEMM of the forward's size.  Keeping the I×J product instead
- * would cost its bytes on every tape.  So the minimal tape is: C only for
- * β̄, A only for B̄ or ᾱ, B only for Ā or ᾱ; add and trace keep A only for
- * ᾱ and C only for β̄. */
+ * ᾱ = ⟨M, G⟩ with M = permute(opA(A)·opB(B)) (add: permute(opA(A)),
+ * trace: the trace of opA(A)), the result before alpha and beta.  Either
+ * the tape keeps M, or it keeps what M is made of and the reverse makes
+ * it again: for tensorcontract ⟨M, G⟩ = ⟨Â, G·B̂ᴴ⟩, and G·B̂ᴴ is the GEMM Ā
+ * needs anyway, so with Ā in wrt ᾱ costs one inner product over A (with B̄
+ * only, symmetrically over B); with neither it costs one GEMM of the
+ * forward's size.  The tape takes whichever adds fewer bytes (the minimal
+ * tape): M when it is smaller than the inputs that Ā and B̄ do not keep
+ * anyway (ᾱ alone with an I×J product smaller than A and B, a trace).  So
+ * the tape holds C only for β̄, A for B̄, B for Ā, and for ᾱ either M or
+ * A and B (add: A, as large as M; trace: M when smaller than A). */
 #ifndef PB_TENSOROPS_H
 #define PB_TENSOROPS_H
 
@@ -37,7 +41,7 @@
  * tape slots of all three. */
 enum { TA_A, TA_C };
 enum { T1_WALPHA = 2, T1_WBETA = 3 };
-enum { SAVED_A, SAVED_B, SAVED_C };
+enum { SAVED_A, SAVED_B, SAVED_C, SAVED_M };
 
 static inline pb_scalar_t sc(const pb_optval_t *v) { return (pb_scalar_t){v->re, v->im}; }
 static inline pb_scalar_t sconj(pb_scalar_t s) { return (pb_scalar_t){s.re, -s.im}; }

@@ -61,6 +61,13 @@ static int trace_of(const pb_optval_t *opt, const pb_tensor_t *A, trace_spec_t *
     return 0;
 }
 
+/* ᾱ = ⟨trace(opA(A)), G⟩: the tape keeps that trace (output-sized) rather
+ * than A when it is smaller (tensorops.h).  Needs c->out_meta[0]. */
+static bool tt_keeps_trace(const pb_call_t *c)
+{
+    return (c->wrt & (1u << T1_WALPHA)) && pb_tensor_bytes(&c->out_meta[0]) < pb_tensor_bytes(&c->in[TA_A]);
+}
+
 static int tt_validate(pb_call_t *c, pb_err_t *err)
 {
     const pb_tensor_t *A = &c->in[TA_A];
@@ -73,7 +80,10 @@ static int tt_validate(pb_call_t *c, pb_err_t *err)
         shape[d] = A->shape[(int)s.p[d]];
     if ((rc = pb__tops_set_output(c, s.np, shape, err)) || (rc = pb__tops_check_c(c, TA_C, TT_BETA, T1_WBETA, err)))
         return rc;
-    c->tape_bytes = pb__tops_tape_of(c, c->wrt & (1u << T1_WALPHA), false, c->wrt & (1u << T1_WBETA), TA_A, -1, TA_C);
+    bool kt = tt_keeps_trace(c);
+    c->tape_bytes = pb__tops_tape_of(c, (c->wrt & (1u << T1_WALPHA)) && !kt, false, c->wrt & (1u << T1_WBETA), TA_A, -1,
+                                     TA_C) +
+                    (c->taped && kt ? pb_tensor_bytes(&c->out_meta[0]) : 0);
     double diag = 1;
     for (int d = 0; d < s.np; d++)
         diag *= (double)shape[d];
@@ -123,15 +133,35 @@ static int tt_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
         pb_tensor_zero(&y);
     pb_tview_t va = pb_tview_of(A), vy = pb_tview_of(&y);
     pb_loop_t L;
-    trace_loop(&L, &s, &vy, &va);
-    /* alpha = 0: A is not read, as in tensoradd and tensorcontract (BLAS) */
-    if (nonzero(sc(&c->opt[TT_ALPHA])))
-        pb_strided(c->dtype, &L, vy.p, va.p, pb_dtype_is_complex(c->dtype) && c->opt[TT_CONJA].b,
-                   sc(&c->opt[TT_ALPHA]), NULL, ZERO, true);
-    if (tape && (rc = pb__tops_save(c, tape, c->wrt & (1u << T1_WALPHA), false, c->wrt & (1u << T1_WBETA), TA_A, -1, TA_C))) {
+    bool cj = pb_dtype_is_complex(c->dtype) && c->opt[TT_CONJA].b, kt = tape && tt_keeps_trace(c);
+    pb_scalar_t alpha = sc(&c->opt[TT_ALPHA]);
+    pb_tensor_t tr = {0};
+    if (kt) {
+        /* trace(opA(A)) for the tape, then y += alpha·that (read only for
+         * alpha ≠ 0, as A is otherwise) */
+        if (pb_tensor_alloc(&tr, c->dtype, ym->rank, ym->shape, 'C', true)) {
+            pb_tensor_clear(&y);
+            return pb__tops_oom(err, "tensortrace");
+        }
+        pb_tview_t vt = pb_tview_of(&tr);
+        trace_loop(&L, &s, &vt, &va);
+        pb_strided(c->dtype, &L, vt.p, va.p, cj, ONE, NULL, ZERO, true);
+        if (nonzero(alpha)) {
+            pb__tops_loop_same(&L, &vy, &vt);
+            pb_strided(c->dtype, &L, vy.p, vt.p, false, alpha, NULL, ZERO, true);
+        }
+    } else if (nonzero(alpha)) { /* alpha = 0: A is not read, as in tensoradd and tensorcontract (BLAS) */
+        trace_loop(&L, &s, &vy, &va);
+        pb_strided(c->dtype, &L, vy.p, va.p, cj, alpha, NULL, ZERO, true);
+    }
+    if (tape && (rc = pb__tops_save(c, tape, (c->wrt & (1u << T1_WALPHA)) && !kt, false, c->wrt & (1u << T1_WBETA),
+                                    TA_A, -1, TA_C))) {
+        pb_tensor_clear(&tr);
         pb_tensor_clear(&y);
         return pb__tops_oom(err, "tensortrace");
     }
+    if (kt)
+        tape->saved[SAVED_M] = tr; /* the tape's now */
     c->out[0] = y;
     return 0;
 }
@@ -164,7 +194,9 @@ static int tt_reverse(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_
         pb_loop_swap01(&L);
         pb_strided(d, &L, va.p, vg.p, cj, cj ? alpha : sconj(alpha), NULL, ZERO, false);
     }
-    if (t->wrt & (1u << T1_WALPHA)) { /* ᾱ = ⟨trace(opA(A)), G⟩ */
+    if ((t->wrt & (1u << T1_WALPHA)) && t->saved[SAVED_M].storage) /* ᾱ = ⟨trace(opA(A)), G⟩, kept */
+        pb__tops_put_scalar(&grad[T1_WALPHA], pb__tops_dot_of(d, &t->saved[SAVED_M], false, G), &t->opt[TT_ALPHA]);
+    else if (t->wrt & (1u << T1_WALPHA)) { /* from A */
         pb_tview_t va = pb_tview_of(&t->saved[SAVED_A]);
         trace_loop(&L, &s, &vg, &va);
         pb_loop_swap01(&L);

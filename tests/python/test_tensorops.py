@@ -152,6 +152,46 @@ class TensorOpsTest(DaemonCase):
             close(self, got, want if cx else want.real, dtype, "tensortrace")
             self.fd_check("tensortrace", {"A": A, "C": Cin}, opts, ftr, ["A", "C", "alpha", "beta"], dtype)
 
+    def test_alpha_tape_is_minimal(self):
+        """The gradient of alpha needs M, the result before alpha and beta:
+        the tape keeps M or what makes it, whichever is smaller (a full
+        trace kept all of A, 2 MB, for an 8-byte gradient)."""
+        for dt in (np.float64, np.complex128):
+            it = np.dtype(dt).itemsize
+            al = 0.5 + 0.25j if dt == np.complex128 else 0.5
+            for (m, k, n) in ((3, 50, 4), (30, 2, 40)):
+                A, B = self.rand((m, k), dt), self.rand((k, n), dt)
+                G = self.rand((m, n), dt)
+                for wrt, want in ((["alpha"], min(m * n, m * k + k * n)), (["A", "alpha"], k * n + min(m * n, m * k)),
+                                  (["B", "alpha"], m * k + min(m * n, k * n))):
+                    out, tape = self.c.augmented_forward("tensorcontract", {"A": A, "B": B}, wrt,
+                                                         options={"spec": "ij,jk->ik", "alpha": al})
+                    self.assertEqual(tape.tape_bytes, want * it, f"{dt.__name__} {m}x{k}x{n} wrt {wrt}")
+                    close(self, out["C"], al * (A @ B), dt, "C")
+                    g = self.c.reverse(tape, {"C": G})
+                    close(self, g["alpha"], np.vdot(A @ B, G), dt, f"alpha wrt {wrt}")
+                    if "A" in wrt:
+                        close(self, g["A"], np.conj(al) * G @ B.conj().T, dt, "A")
+            A = self.rand((500, 500), dt)
+            out, tape = self.c.augmented_forward("tensortrace", {"A": A}, ["alpha"], options={"q": [[0], [1]]})
+            self.assertEqual(tape.tape_bytes, it)
+            g = self.c.reverse(tape, {"C": np.array(2.0, dt)})
+            close(self, g["alpha"], 2.0 * np.trace(A).real, dt, "trace alpha")  # alpha sent real: ᾱ real
+            out, tape = self.c.augmented_forward("tensoradd", {"A": A}, ["alpha"])
+            self.assertEqual(tape.tape_bytes, A.nbytes)
+            tape.release()
+        # alpha = 0 with M kept: C = beta·C still reads neither A nor M
+        A = np.array([[np.nan, 0.0], [0.0, 1.0]])
+        out, tape = self.c.augmented_forward("tensorcontract", {"A": A, "B": np.ones((2, 1)), "C": np.ones((2, 1))},
+                                             ["alpha"], options={"spec": "ij,jk->ik", "alpha": 0.0, "beta": 0.5})
+        self.assertEqual(tape.tape_bytes, 16)
+        np.testing.assert_array_equal(out["C"], [[0.5], [0.5]])
+        self.assertTrue(np.isnan(self.c.reverse(tape, {"C": np.ones((2, 1))})["alpha"]))
+        out, tape = self.c.augmented_forward("tensortrace", {"A": A}, ["alpha"],
+                                             options={"q": [[0], [1]], "alpha": 0.0})
+        self.assertEqual(float(out["C"]), 0.0)
+        self.assertTrue(np.isnan(self.c.reverse(tape, {"C": np.array(1.0)})["alpha"]))
+
     def test_check_method(self):
         A = self.rand((3, 4), np.complex128)
         B = self.rand((4, 5), np.complex128)
