@@ -357,8 +357,13 @@ static bool blocked(const pb_conn_t *c)
     const pb_config_t *cfg = c->set->cfg;
     /* Small replies batched in obuf are written once they reach OBUF_MAX
      * (pb_conn_send), so they come under pending_write soon enough. */
-    return c->inflight >= cfg->max_inflight_per_connection ||
-           c->pending_write + c->reserved > cfg->max_queued_bytes_per_connection;
+    size_t replies = c->pending_write + c->reserved;
+    /* Held replies wait for a cap (glossary: starved): each ends in a
+     * callback that looks again (on_write, pb_conn_request_done).  Not
+     * those batched in obuf: the flush may write them whole, inline,
+     * with no callback after it. */
+    return c->inflight >= cfg->max_inflight_per_connection || replies > cfg->max_queued_bytes_per_connection ||
+           (replies > 0 && pb__conn_over_cap(c));
 }
 
 /* After the client's shutdown(SHUT_WR) (nc -N, a one-shot script): once
@@ -492,6 +497,8 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
     }
     c->rx += (uint64_t)nread;
     c->len += (size_t)nread;
+    if (nread > 0)
+        c->moved_ms = uv_now(c->set->loop);
     process(c);
 }
 
@@ -591,6 +598,7 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     c->set = s;
     c->refs = 1;
     c->id = ++s->next_id;
+    c->moved_ms = uv_now(s->loop);
     msgpack_sbuffer_init(&c->obuf);
     msgpack_zone_init(&c->zone, 4096);
     pb_buffers_init(&c->buffers);
@@ -755,7 +763,12 @@ static void write_now(pb_conn_t *c, pb_out_t *o, msgpack_sbuffer *flat)
         wreq_free(r);
         pb_conn_unref(c);
         pb_conn_close(c);
+        return;
     }
+    /* A reply queued is a move: the buffering caps' look at c (conn_budget.c)
+     * counts the next from here, as the client reads it. */
+    c->seen_wq = uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe);
+    c->moved_ms = uv_now(c->set->loop);
 }
 
 static void flush(pb_conn_t *c)
@@ -912,4 +925,6 @@ void pb_conns_destroy(pb_conns_t *s)
 {
     if (!uv_is_closing((uv_handle_t *)&s->decide))
         uv_close((uv_handle_t *)&s->decide, NULL);
+    if (!uv_is_closing((uv_handle_t *)&s->stall))
+        uv_close((uv_handle_t *)&s->stall, NULL);
 }

@@ -32,10 +32,18 @@
  *               set's held bytes are at max_buffered_bytes (or its uid's
  *               at max_buffered_bytes_per_uid): reading stops until
  *               memory is given back.  Smaller messages, on connections
- *               whose buffer has room, are still read.  When nothing can
- *               give memory back (no request in flight anywhere), the
- *               connection holding the largest incomplete message is
- *               answered resource_exhausted, naming the limit, and closed.
+ *               whose buffer has room, are still read; a connection that
+ *               holds replies (queued, or of requests in flight) takes no
+ *               new message while a cap it counts against is reached, so
+ *               replies nobody reads cannot take the held bytes far past
+ *               it.  Memory comes back when a request in flight ends, an
+ *               unmapping ends, or a connection still moving (reading a
+ *               message into the room it has, having its replies read)
+ *               finishes.  When none of those is left (nothing in flight,
+ *               nothing moved for PB_CONN_STALL_MS), the connection
+ *               holding the most (an incomplete message, or replies its
+ *               client does not read) is answered resource_exhausted,
+ *               naming the limit, and closed.
  *   late        a message read after SIGTERM's drain budget (drain_left,
  *               set by pb_conns_stop) ran out: on_message answers it
  *               shutting_down.
@@ -98,6 +106,10 @@
 /* Lines one connection may have logged a minute (glossary: log lines). */
 #define PB_CONN_LOG_BURST 3
 #define PB_CONN_LOG_WINDOW_MS 60000
+/* A connection that neither read a byte nor had a reply byte read for this
+ * long is not going to give the buffering caps anything back by itself
+ * (glossary: starved). */
+#define PB_CONN_STALL_MS 1000
 
 typedef struct pb_conn pb_conn_t;
 
@@ -138,6 +150,8 @@ typedef struct pb_conns {
     size_t inflight;               /* requests in flight, closed connections' too */
     uv_idle_t decide;              /* started when the starved must decide again
                                     * (conn_budget.c); closed by pb_conns_destroy */
+    uv_timer_t stall;              /* decide again once connections still moving
+                                    * had PB_CONN_STALL_MS to move on (same) */
     pb_uid_use_t *uids;            /* per uid with a connection (malloc, the set's;
                                     * freed when the last connection goes) */
     size_t nuids, capuids;
@@ -173,6 +187,10 @@ struct pb_conn {
     bool counted;                  /* in its uid's entry (pb__conns_admit); false
                                     * when that entry could not be made */
     size_t want_more;              /* the growth it was last refused (which cap binds) */
+    uint64_t moved_ms;             /* loop time it last read bytes, queued a
+                                    * reply or was seen to have one read */
+    size_t seen_wq;                /* its write queue at the last look (or
+                                    * when a reply was queued): conn_budget.c */
     size_t held;                   /* held bytes as last counted in the set */
     uint64_t id;
     uid_t uid;
@@ -300,8 +318,10 @@ void pb__conn_unstarve(pb_conn_t *c);
 void pb__conn_account(pb_conn_t *c);
 /* May c's read buffer grow by more bytes under both caps? */
 bool pb__conn_may_grow(const pb_conn_t *c, size_t more);
+/* Is a cap c counts against (the total, its uid's) reached? */
+bool pb__conn_over_cap(const pb_conn_t *c);
 /* c's buffer may not grow: stop reading it, and when nothing can give
- * memory back, close the holder of the largest incomplete message. */
+ * memory back, close the connection holding the most (glossary: starved). */
 void pb__conn_starve(pb_conn_t *c);
 /* ---- conn_fds.c: passed fds (glossary) ------------------------------------ */
 

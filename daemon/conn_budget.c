@@ -93,10 +93,20 @@ static void on_decide(uv_idle_t *h)
         }
 }
 
+static void on_stall(uv_timer_t *h)
+{
+    pb_conns_t *s = h->data;
+    if (s->nstarved > 0)
+        uv_idle_start(&s->decide, on_decide);
+}
+
 void pb__conns_budget_init(pb_conns_t *s)
 {
     uv_idle_init(s->loop, &s->decide);
     s->decide.data = s;
+    uv_timer_init(s->loop, &s->stall);
+    s->stall.data = s;
+    uv_unref((uv_handle_t *)&s->stall); /* a pending look again keeps no loop alive */
 }
 
 /* Memory came back, or a request the starved were waiting for was
@@ -166,6 +176,15 @@ void pb__conns_request_done(pb_conns_t *s, const pb_conn_t *c)
     wake(s);
 }
 
+bool pb__conn_over_cap(const pb_conn_t *c)
+{
+    const pb_conns_t *s = c->set;
+    if (!under_cap(s))
+        return true;
+    const pb_uid_use_t *u = use_of((pb_conns_t *)s, c);
+    return u != NULL && u->held >= s->cfg->max_buffered_bytes_per_uid;
+}
+
 bool pb__conn_may_grow(const pb_conn_t *c, size_t more)
 {
     const pb_conns_t *s = c->set;
@@ -200,27 +219,65 @@ void pb__conn_starve(pb_conn_t *c)
      * (pb_conns_memory_back). */
     if (!per_uid && pb_offloop_unmapping() > 0)
         return;
-    /* Nothing will: the holder of the largest incomplete message goes (of
-     * c's uid when it is the uid's cap that binds). */
+    /* Nor do connections still moving: a message read into the room its
+     * buffer has (it is a request soon), replies being read.  Wait for
+     * them, and look again once they had PB_CONN_STALL_MS to move on (a
+     * client that stopped half-way through its message has not). */
+    uint64_t now = uv_now(s->loop);
     pb_conn_t *victim = NULL;
     size_t most = 0;
+    bool moving = false;
     for (pb_conn_t *x = s->head; x; x = x->next) {
-        size_t partial = x->len - x->start;
-        if (x->closing || x->close_after_flush || (per_uid && x->uid != c->uid) || partial <= most)
+        if (x->closing || x->close_after_flush || (per_uid && x->uid != c->uid))
             continue;
-        most = partial;
-        victim = x;
+        /* Bytes read move moved_ms on the spot (on_read), as a reply queued
+         * does; a queue shorter than at the last look was read from. */
+        size_t wq = uv_stream_get_write_queue_size((uv_stream_t *)&x->pipe);
+        if (wq < x->seen_wq)
+            x->moved_ms = now;
+        x->seen_wq = wq;
+        bool partial = x->len > x->start, replies = x->pending_write + x->obuf.size > 0;
+        if (!partial && !replies)
+            continue;
+        if (!x->starved && now - x->moved_ms < PB_CONN_STALL_MS)
+            moving = true;
+        if (x->held > most) {
+            most = x->held;
+            victim = x;
+        }
+    }
+    if (moving) {
+        uv_timer_start(&s->stall, on_stall, PB_CONN_STALL_MS, 0);
+        return;
     }
     if (victim == NULL)
-        return; /* what is held are replies being written: they drain */
+        return;
+    /* Nothing will: the connection holding the most goes (of c's uid when
+     * it is the uid's cap that binds). */
+    bool partial = victim->len > victim->start, replies = victim->pending_write + victim->obuf.size > 0;
+    const char *what = partial && replies ? "an incomplete message and replies its client has not read"
+                       : partial          ? "an incomplete message"
+                                          : "replies its client has not read";
+    if (victim->pending_write > 0) {
+        /* An error would wait behind the replies its client does not read,
+         * and so would their memory: it closes now, they with it. */
+        pb_conn_log(victim, PB_LOG_NOTICE,
+                    "connection %llu (uid %u): %s (%zu) is reached, nothing else can give memory back, and this "
+                    "connection holds the most of it (%zu bytes: %s); closing it",
+                    (unsigned long long)victim->id, (unsigned)victim->uid,
+                    per_uid ? "max_buffered_bytes_per_uid" : "max_buffered_bytes",
+                    per_uid ? cfg->max_buffered_bytes_per_uid : cfg->max_buffered_bytes, most, what);
+        pb_conn_close(victim);
+        return;
+    }
     if (per_uid)
         pb__conn_refuse(victim, "max_buffered_bytes_per_uid",
-                        "max_buffered_bytes_per_uid (%zu) is reached for uid %u and this connection holds its "
-                        "largest incomplete message (%zu bytes)",
-                        cfg->max_buffered_bytes_per_uid, (unsigned)c->uid, most);
+                        "max_buffered_bytes_per_uid (%zu) is reached for uid %u, nothing else can give memory back, "
+                        "and this connection holds the most of it (%zu bytes: %s)",
+                        cfg->max_buffered_bytes_per_uid, (unsigned)c->uid, most, what);
     else
         pb__conn_refuse(victim, "max_buffered_bytes",
-                        "max_buffered_bytes (%zu) is reached and this connection holds the largest incomplete "
-                        "message (%zu bytes)",
-                        cfg->max_buffered_bytes, most);
+                        "max_buffered_bytes (%zu) is reached, nothing else can give memory back, and this "
+                        "connection holds the most of it (%zu bytes: %s)",
+                        cfg->max_buffered_bytes, most, what);
 }

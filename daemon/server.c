@@ -45,21 +45,35 @@ static void set_memory_cap(pb_server_t *s)
 /* Every second: expired tapes go, and after idle-trim seconds without
  * work for the workers the memory kept for reuse goes back to the system,
  * off the loop (requests answered on the loop, such as a metrics scrape,
- * use none of it and do not keep it). */
+ * use none of it and do not keep it).  Blocks freed on the loop after that
+ * trim (a closed connection's tapes, an expired tape, a slow reader's
+ * replies) go idle-trim seconds after they were first seen cached. */
 static void on_sweep(uv_timer_t *t)
 {
     pb_server_t *s = t->data;
     pb_rpc_sweep(&s->rpc);
     uint64_t now = uv_now(s->loop);
     uint64_t work = pb_pool_busy_ns(&s->rpc.pool);
+    uint64_t idle_ms = (uint64_t)(s->cfg.idle_trim_s * 1000);
     if (work != s->work_seen || s->rpc.requests_in_flight > 0) {
         s->work_seen = work;
         s->busy_ms = now;
         s->trimmed = false;
-    } else if (!s->trimmed && s->cfg.idle_trim_s > 0 &&
-               now - s->busy_ms >= (uint64_t)(s->cfg.idle_trim_s * 1000)) {
+    } else if (!s->trimmed && s->cfg.idle_trim_s > 0 && now - s->busy_ms >= idle_ms) {
         s->trimmed = true;
+        s->cached_since_ms = 0;
         pb_offloop_memory(PB_OFFLOOP_TRIM_ALL);
+    } else if (s->trimmed && s->cfg.idle_trim_s > 0) {
+        pb_mem_stats_t ms;
+        pb_mem_stats(&ms);
+        if (ms.cached_bytes == 0)
+            s->cached_since_ms = 0;
+        else if (s->cached_since_ms == 0)
+            s->cached_since_ms = now;
+        else if (now - s->cached_since_ms >= idle_ms) {
+            s->cached_since_ms = 0;
+            pb_offloop_memory(PB_OFFLOOP_TRIM_ALL);
+        }
     }
 }
 

@@ -51,6 +51,8 @@ typedef struct pb_server {
     uint64_t work_seen;            /* the workers' busy time at the last sweep */
     uint64_t busy_ms;              /* when work was last seen (loop time) */
     bool trimmed;                  /* the heap was trimmed since then */
+    uint64_t cached_since_ms;      /* trimmed: when blocks were first seen
+                                    * cached again (0: none) */
     uv_timer_t last_read_timer;    /* runs the last reads outside any request */
     uv_timer_t status_timer;       /* STATUS= to systemd, when notifying */
     uv_timer_t watchdog_timer;     /* WATCHDOG=1, when systemd asks for it */
