@@ -497,8 +497,6 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *b)
     }
     c->rx += (uint64_t)nread;
     c->len += (size_t)nread;
-    if (nread > 0)
-        c->moved_ms = uv_now(c->set->loop);
     process(c);
 }
 
@@ -598,7 +596,6 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     c->set = s;
     c->refs = 1;
     c->id = ++s->next_id;
-    c->moved_ms = uv_now(s->loop);
     msgpack_sbuffer_init(&c->obuf);
     msgpack_zone_init(&c->zone, 4096);
     pb_buffers_init(&c->buffers);
@@ -681,6 +678,7 @@ static size_t write_inline(pb_conn_t *c, uv_buf_t *bufs, int *n)
     int w = uv_try_write((uv_stream_t *)&c->pipe, bufs, (unsigned)*n);
     if (w <= 0)
         return 0;
+    c->tx += (uint64_t)w;
     size_t done = (size_t)w;
     int k = 0;
     while (k < *n && done >= bufs[k].len)
@@ -765,10 +763,7 @@ static void write_now(pb_conn_t *c, pb_out_t *o, msgpack_sbuffer *flat)
         pb_conn_close(c);
         return;
     }
-    /* A reply queued is a move: the buffering caps' look at c (conn_budget.c)
-     * counts the next from here, as the client reads it. */
-    c->seen_wq = uv_stream_get_write_queue_size((uv_stream_t *)&c->pipe);
-    c->moved_ms = uv_now(c->set->loop);
+    c->tx += r->bytes;
 }
 
 static void flush(pb_conn_t *c)

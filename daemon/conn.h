@@ -40,7 +40,8 @@
  *               unmapping ends, or a connection still moving (reading a
  *               message into the room it has, having its replies read)
  *               finishes.  When none of those is left (nothing in flight,
- *               nothing moved for PB_CONN_STALL_MS), the connection
+ *               no connection moving PB_CONN_STALL_BYTES a
+ *               PB_CONN_STALL_MS), the connection
  *               holding the most (an incomplete message, or replies its
  *               client does not read) is answered resource_exhausted,
  *               naming the limit, and closed.
@@ -106,10 +107,12 @@
 /* Lines one connection may have logged a minute (glossary: log lines). */
 #define PB_CONN_LOG_BURST 3
 #define PB_CONN_LOG_WINDOW_MS 60000
-/* A connection that neither read a byte nor had a reply byte read for this
- * long is not going to give the buffering caps anything back by itself
- * (glossary: starved). */
+/* A connection that read and had read of its replies less than
+ * PB_CONN_STALL_BYTES in PB_CONN_STALL_MS is not going to give the
+ * buffering caps anything back soon by itself (glossary: starved): a
+ * client trickling its message cannot hold the others off. */
 #define PB_CONN_STALL_MS 1000
+#define PB_CONN_STALL_BYTES ((uint64_t)1 << 20)
 
 typedef struct pb_conn pb_conn_t;
 
@@ -187,10 +190,13 @@ struct pb_conn {
     bool counted;                  /* in its uid's entry (pb__conns_admit); false
                                     * when that entry could not be made */
     size_t want_more;              /* the growth it was last refused (which cap binds) */
-    uint64_t moved_ms;             /* loop time it last read bytes, queued a
-                                    * reply or was seen to have one read */
-    size_t seen_wq;                /* its write queue at the last look (or
-                                    * when a reply was queued): conn_budget.c */
+    uint64_t tx;                   /* reply bytes handed to the socket or to
+                                    * libuv's write queue so far */
+    /* The buffering caps' last look at it (conn_budget.c): when (0: none
+     * lately), its bytes read and written then, and whether it moved
+     * PB_CONN_STALL_BYTES in the window before. */
+    uint64_t seen_ms, seen_done;
+    bool moving;
     size_t held;                   /* held bytes as last counted in the set */
     uint64_t id;
     uid_t uid;

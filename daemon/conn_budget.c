@@ -194,6 +194,26 @@ bool pb__conn_may_grow(const pb_conn_t *c, size_t more)
     return u == NULL || u->held + more <= s->cfg->max_buffered_bytes_per_uid;
 }
 
+/* Did x read, and have read of its replies, PB_CONN_STALL_BYTES in the
+ * last PB_CONN_STALL_MS?  Judged over windows of that length from the
+ * first look (which gives it the benefit of the doubt), so each look
+ * within a window keeps the verdict; a look long after the last starts
+ * afresh. */
+static bool still_moving(pb_conn_t *x, uint64_t now)
+{
+    uint64_t done = x->rx + x->tx - uv_stream_get_write_queue_size((uv_stream_t *)&x->pipe);
+    if (x->seen_ms == 0 || now - x->seen_ms > 2 * PB_CONN_STALL_MS) {
+        x->seen_ms = now ? now : 1;
+        x->seen_done = done;
+        x->moving = true;
+    } else if (now - x->seen_ms >= PB_CONN_STALL_MS) {
+        x->moving = done - x->seen_done >= PB_CONN_STALL_BYTES;
+        x->seen_ms = now;
+        x->seen_done = done;
+    }
+    return x->moving;
+}
+
 void pb__conn_starve(pb_conn_t *c)
 {
     pb_conns_t *s = c->set;
@@ -230,16 +250,10 @@ void pb__conn_starve(pb_conn_t *c)
     for (pb_conn_t *x = s->head; x; x = x->next) {
         if (x->closing || x->close_after_flush || (per_uid && x->uid != c->uid))
             continue;
-        /* Bytes read move moved_ms on the spot (on_read), as a reply queued
-         * does; a queue shorter than at the last look was read from. */
-        size_t wq = uv_stream_get_write_queue_size((uv_stream_t *)&x->pipe);
-        if (wq < x->seen_wq)
-            x->moved_ms = now;
-        x->seen_wq = wq;
         bool partial = x->len > x->start, replies = x->pending_write + x->obuf.size > 0;
         if (!partial && !replies)
             continue;
-        if (!x->starved && now - x->moved_ms < PB_CONN_STALL_MS)
+        if (!x->starved && still_moving(x, now))
             moving = true;
         if (x->held > most) {
             most = x->held;

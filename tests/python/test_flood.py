@@ -244,6 +244,48 @@ class WithinTheCapsNeverRefused(DaemonCase):
         self.assertEqual(got, {i: "ok" for i in range(12)})
 
 
+class TrickleHoldsNobodyOff(DaemonCase):
+    """A client that trickles its big message (64 KiB every half second)
+    looks like it is still moving, but too slowly to give memory back:
+    past a window of a second with less than 1 MiB read from it, it holds
+    the most and is refused, and a client waiting for room is served."""
+
+    DAEMON_ARGS = ["--max-buffered-bytes", "128M", "--max-buffered-bytes-per-uid", "128M",
+                   "--max-message-bytes", "256M"]
+
+    def test_trickle_refused(self):
+        t = socket.socket(socket.AF_UNIX)
+        t.connect(self.path)
+        t.sendall(flood_prefix(100 * MiB) + b"\0" * (60 * MiB))
+        stop = [False]
+
+        def trickle():
+            try:
+                while not stop[0]:
+                    t.sendall(b"\0" * (64 << 10))
+                    time.sleep(0.5)
+            except OSError:
+                pass
+
+        th = threading.Thread(target=trickle)
+        th.start()
+        try:
+            A = np.random.default_rng(8).standard_normal(40 * MiB // 8)
+            t0 = time.monotonic()
+            with pullbackd.Client(self.path, timeout=30) as c:
+                np.testing.assert_array_equal(c.forward("tensoradd", {"A": A})["C"], A)
+            waited = time.monotonic() - t0
+        finally:
+            stop[0] = True
+            th.join(10)
+        e = read_error(t, timeout=5.0)
+        self.assertIsNotNone(e, "the trickling client was neither refused nor served")
+        self.assertEqual(e[2]["code"], "resource_exhausted")
+        self.assertIn("max_buffered_bytes", e[2]["message"])
+        self.assertLess(waited, 10.0)
+        t.close()
+
+
 class UnreadRepliesOfOneUid(DaemonCase):
     """One uid's connections that never read their replies hold about its
     per-uid cap, not max_queued_bytes_per_connection each (24 of them held
