@@ -198,7 +198,8 @@ class OverCapByReplies(DaemonCase):
             np.testing.assert_array_equal(c.forward("tensoradd", {"A": B})["C"], B)
         # A: closed if B had to wait for it (it held the most, and its
         # client read nothing for a second), else its replies wait for it;
-        # either way what it gets is its replies in order, no error.
+        # either way what it gets is its replies (in the order they were
+        # done: two workers), each once, none an error.
         a.settimeout(10)
         u = msgpack.Unpacker(raw=False)
         replies = []
@@ -208,7 +209,9 @@ class OverCapByReplies(DaemonCase):
                 break
             u.feed(data)
             replies.extend(u)
-        self.assertEqual([r[1] for r in replies], list(range(1, len(replies) + 1)))
+        ids = [r[1] for r in replies]
+        self.assertEqual(len(set(ids)), len(ids), ids)
+        self.assertLessEqual(set(ids), set(range(1, 9)), ids)
         self.assertTrue(all(r[2] is None for r in replies), [r[2] for r in replies if r[2]])
         a.close()
 
