@@ -136,9 +136,14 @@ static int tt_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
     bool cj = pb_dtype_is_complex(c->dtype) && c->opt[TT_CONJA].b, kt = tape && tt_keeps_trace(c);
     pb_scalar_t alpha = sc(&c->opt[TT_ALPHA]);
     pb_tensor_t tr = {0};
+    if (nonzero(alpha)) { /* alpha = 0: A is not read, as in tensoradd and tensorcontract (BLAS) */
+        trace_loop(&L, &s, &vy, &va);
+        pb_strided(c->dtype, &L, vy.p, va.p, cj, alpha, NULL, ZERO, true);
+    }
     if (kt) {
-        /* trace(opA(A)) for the tape, then y += alpha·that (read only for
-         * alpha ≠ 0, as A is otherwise) */
+        /* trace(opA(A)) for the tape, in a pass of its own: y is bitwise
+         * what forward gives (Σ alpha·a, not alpha·Σ a, which rounds
+         * otherwise and can overflow where the other does not) */
         if (pb_tensor_alloc(&tr, c->dtype, ym->rank, ym->shape, 'C', true)) {
             pb_tensor_clear(&y);
             return pb__tops_oom(err, "tensortrace");
@@ -146,13 +151,6 @@ static int tt_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
         pb_tview_t vt = pb_tview_of(&tr);
         trace_loop(&L, &s, &vt, &va);
         pb_strided(c->dtype, &L, vt.p, va.p, cj, ONE, NULL, ZERO, true);
-        if (nonzero(alpha)) {
-            pb__tops_loop_same(&L, &vy, &vt);
-            pb_strided(c->dtype, &L, vy.p, vt.p, false, alpha, NULL, ZERO, true);
-        }
-    } else if (nonzero(alpha)) { /* alpha = 0: A is not read, as in tensoradd and tensorcontract (BLAS) */
-        trace_loop(&L, &s, &vy, &va);
-        pb_strided(c->dtype, &L, vy.p, va.p, cj, alpha, NULL, ZERO, true);
     }
     if (tape && (rc = pb__tops_save(c, tape, (c->wrt & (1u << T1_WALPHA)) && !kt, false, c->wrt & (1u << T1_WBETA),
                                     TA_A, -1, TA_C))) {

@@ -180,6 +180,16 @@ class TensorOpsTest(DaemonCase):
             out, tape = self.c.augmented_forward("tensoradd", {"A": A}, ["alpha"])
             self.assertEqual(tape.tape_bytes, A.nbytes)
             tape.release()
+        # the trace kept for the tape takes a pass of its own: the output is
+        # forward's, bit for bit (alpha·Σa rounded otherwise, and overflowed
+        # where Σ alpha·a does not)
+        for A, al in ((self.rand((64, 64), np.float32), 0.37), (np.diag([3e38, 3e38]).astype(np.float32), 0.5)):
+            opts = {"q": [[0], [1]], "alpha": al}
+            want = self.c.forward("tensortrace", {"A": A}, options=opts)["C"]
+            got, tape = self.c.augmented_forward("tensortrace", {"A": A}, ["alpha"], options=opts)
+            self.assertEqual(tape.tape_bytes, 4)
+            self.assertEqual(got["C"].tobytes(), want.tobytes())
+            tape.release()
         # alpha = 0 with M kept: C = beta·C still reads neither A nor M
         A = np.array([[np.nan, 0.0], [0.0, 1.0]])
         out, tape = self.c.augmented_forward("tensorcontract", {"A": A, "B": np.ones((2, 1)), "C": np.ones((2, 1))},
