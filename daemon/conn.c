@@ -363,7 +363,7 @@ static bool blocked(const pb_conn_t *c)
      * those batched in obuf: the flush may write them whole, inline,
      * with no callback after it. */
     return c->inflight >= cfg->max_inflight_per_connection || replies > cfg->max_queued_bytes_per_connection ||
-           (replies > 0 && pb__conn_over_cap(c));
+           (replies > 0 && pb__conn_over_share(c, replies));
 }
 
 /* After the client's shutdown(SHUT_WR) (nc -N, a one-shot script): once

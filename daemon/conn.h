@@ -32,19 +32,21 @@
  *               set's held bytes are at max_buffered_bytes (or its uid's
  *               at max_buffered_bytes_per_uid): reading stops until
  *               memory is given back.  Smaller messages, on connections
- *               whose buffer has room, are still read; a connection that
- *               holds replies (queued, or of requests in flight) takes no
- *               new message while a cap it counts against is reached, so
- *               replies nobody reads cannot take the held bytes far past
- *               it.  Memory comes back when a request in flight ends, an
- *               unmapping ends, or a connection still moving (reading a
- *               message into the room it has, having its replies read)
- *               finishes.  When none of those is left (nothing in flight,
- *               no connection moving PB_CONN_STALL_BYTES a
- *               PB_CONN_STALL_MS), the connection
- *               holding the most (an incomplete message, or replies its
- *               client does not read) is answered resource_exhausted,
- *               naming the limit, and closed.
+ *               whose buffer has room, are still read; a connection whose
+ *               replies (queued, or of requests in flight) make its share
+ *               of a cap that is reached (the cap over the connections it
+ *               counts among) takes no new message, so replies nobody
+ *               reads cannot take the held bytes far past it.  Memory
+ *               comes back when a request in flight ends, an unmapping
+ *               ends, or a connection still moving (reading a big message
+ *               into the room it has, having its replies read) finishes.
+ *               When none of those is left (nothing in flight, no
+ *               connection moving PB_CONN_STALL_BYTES a PB_CONN_STALL_MS),
+ *               the connection holding the most (an incomplete message, or
+ *               replies its client does not read) is answered
+ *               resource_exhausted, naming the limit, and closed (at once,
+ *               without the answer, when it holds replies: the answer
+ *               would wait behind them).
  *   late        a message read after SIGTERM's drain budget (drain_left,
  *               set by pb_conns_stop) ran out: on_message answers it
  *               shutting_down.
@@ -197,6 +199,7 @@ struct pb_conn {
      * PB_CONN_STALL_BYTES in the window before. */
     uint64_t seen_ms, seen_done;
     bool moving;
+    uint64_t starved_ms;           /* loop time it last became starved */
     size_t held;                   /* held bytes as last counted in the set */
     uint64_t id;
     uid_t uid;
@@ -324,8 +327,11 @@ void pb__conn_unstarve(pb_conn_t *c);
 void pb__conn_account(pb_conn_t *c);
 /* May c's read buffer grow by more bytes under both caps? */
 bool pb__conn_may_grow(const pb_conn_t *c, size_t more);
-/* Is a cap c counts against (the total, its uid's) reached? */
-bool pb__conn_over_cap(const pb_conn_t *c);
+/* Is a cap c counts against (the total, its uid's) reached, and do c's
+ * replies (queued and of requests in flight) make at least its share of
+ * it (half the cap over the connections, or over its uid's)?  Those stop
+ * taking messages: the connections that hold the most. */
+bool pb__conn_over_share(const pb_conn_t *c, size_t replies);
 /* c's buffer may not grow: stop reading it, and when nothing can give
  * memory back, close the connection holding the most (glossary: starved). */
 void pb__conn_starve(pb_conn_t *c);

@@ -176,13 +176,17 @@ void pb__conns_request_done(pb_conns_t *s, const pb_conn_t *c)
     wake(s);
 }
 
-bool pb__conn_over_cap(const pb_conn_t *c)
+bool pb__conn_over_share(const pb_conn_t *c, size_t replies)
 {
     const pb_conns_t *s = c->set;
-    if (!under_cap(s))
+    const pb_config_t *cfg = s->cfg;
+    /* Half of an even share: past the cap, what those below it still take
+     * adds at most half the cap (and a reply each). */
+    if (!under_cap(s) && replies >= cfg->max_buffered_bytes / (2 * (s->count ? s->count : 1)))
         return true;
     const pb_uid_use_t *u = use_of((pb_conns_t *)s, c);
-    return u != NULL && u->held >= s->cfg->max_buffered_bytes_per_uid;
+    return u != NULL && u->held >= cfg->max_buffered_bytes_per_uid &&
+           replies >= cfg->max_buffered_bytes_per_uid / (2 * (u->members ? u->members : 1));
 }
 
 bool pb__conn_may_grow(const pb_conn_t *c, size_t more)
@@ -194,18 +198,27 @@ bool pb__conn_may_grow(const pb_conn_t *c, size_t more)
     return u == NULL || u->held + more <= s->cfg->max_buffered_bytes_per_uid;
 }
 
-/* Did x read, and have read of its replies, PB_CONN_STALL_BYTES in the
- * last PB_CONN_STALL_MS?  Judged over windows of that length from the
- * first look (which gives it the benefit of the doubt), so each look
- * within a window keeps the verdict; a look long after the last starts
- * afresh. */
-static bool still_moving(pb_conn_t *x, uint64_t now)
+/* Is x moving: will it give back held bytes soon by itself?  Only a
+ * connection holding PB_CONN_STALL_BYTES or more can (a big message read
+ * into the buffer it has, replies queued): a new connection that sent a
+ * byte holds nothing worth waiting for.  It moves if it read, and had read
+ * of its replies, PB_CONN_STALL_BYTES in the last PB_CONN_STALL_MS: judged
+ * over windows of that length from the first look, so each look within a
+ * window keeps the verdict.  The first look (or one long after the last)
+ * gives the benefit of the doubt, but only while the starved connection
+ * deciding (c) has waited less than two windows: connections that keep
+ * coming cannot hold the decision off. */
+static bool still_moving(pb_conn_t *x, const pb_conn_t *c, uint64_t now)
 {
+    bool big = (x->len > x->start && x->cap - x->start >= PB_CONN_STALL_BYTES) ||
+               x->pending_write >= PB_CONN_STALL_BYTES;
+    if (!big)
+        return false;
     uint64_t done = x->rx + x->tx - uv_stream_get_write_queue_size((uv_stream_t *)&x->pipe);
     if (x->seen_ms == 0 || now - x->seen_ms > 2 * PB_CONN_STALL_MS) {
         x->seen_ms = now ? now : 1;
         x->seen_done = done;
-        x->moving = true;
+        x->moving = now - c->starved_ms < 2 * PB_CONN_STALL_MS;
     } else if (now - x->seen_ms >= PB_CONN_STALL_MS) {
         x->moving = done - x->seen_done >= PB_CONN_STALL_BYTES;
         x->seen_ms = now;
@@ -222,6 +235,7 @@ void pb__conn_starve(pb_conn_t *c)
         pb_conn_log(c, PB_LOG_INFO, "connection %llu (uid %u): buffering cap reached (%zu bytes held); reading "
                     "paused", (unsigned long long)c->id, (unsigned)c->uid, s->held);
         c->starved = true;
+        c->starved_ms = uv_now(s->loop);
         s->nstarved++;
     }
     uv_read_stop((uv_stream_t *)&c->pipe);
@@ -248,12 +262,14 @@ void pb__conn_starve(pb_conn_t *c)
     size_t most = 0;
     bool moving = false;
     for (pb_conn_t *x = s->head; x; x = x->next) {
-        if (x->closing || x->close_after_flush || (per_uid && x->uid != c->uid))
+        /* One closing after a flush still holds the replies queued before
+         * it: a candidate to close at once if its client reads none. */
+        if (x->closing || (x->close_after_flush && x->pending_write == 0) || (per_uid && x->uid != c->uid))
             continue;
         bool partial = x->len > x->start, replies = x->pending_write + x->obuf.size > 0;
         if (!partial && !replies)
             continue;
-        if (!x->starved && still_moving(x, now))
+        if (!x->starved && still_moving(x, c, now))
             moving = true;
         if (x->held > most) {
             most = x->held;
