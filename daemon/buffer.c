@@ -40,6 +40,13 @@ static _Atomic(reg_slot_t *) chunks[NCHUNKS];
 static pthread_mutex_t reg_lock = PTHREAD_MUTEX_INITIALIZER;
 static size_t reg_count, reg_bytes; /* under reg_lock */
 static size_t reg_max;              /* under reg_lock; 0 until set from the kernel's limit */
+/* Mappings per uid (under reg_lock): one uid holds at most half of reg_max,
+ * so the others are not shut out of registering.  Entries with a count. */
+static struct uid_maps {
+    uid_t uid;
+    size_t n;
+} *uid_maps;
+static size_t n_uid_maps, cap_uid_maps;
 
 /* Half of vm.max_map_count, at most PB_SHM_MAX_MAPPINGS: past the kernel's
  * limit every mmap of the process fails (malloc's large blocks, thread
@@ -88,6 +95,7 @@ typedef struct pb_shm {
     bool writable;
     dev_t dev;       /* the file mapped: two registrations of one memfd */
     ino_t ino;       /* (on one connection or two) map the same bytes */
+    uid_t uid;       /* its connection's, counted in uid_maps */
     reg_slot_t *slot;
 } pb_shm_t;
 
@@ -153,13 +161,51 @@ static void slot_write(reg_slot_t *sl, uintptr_t base, size_t len, int prot)
     atomic_fetch_add(&sl->seq, 1);
 }
 
-/* A free slot holding the mapping, or NULL when the registry is full or
- * out of memory. */
-static reg_slot_t *slot_take(uintptr_t base, size_t len, int prot, size_t size)
+static struct uid_maps *uid_entry(uid_t uid)
+{
+    for (size_t i = 0; i < n_uid_maps; i++)
+        if (uid_maps[i].uid == uid)
+            return &uid_maps[i];
+    return NULL;
+}
+
+enum { ROOM, FULL, UID_FULL, NO_MEMORY };
+
+/* Room for one more mapping of uid?  Under reg_lock. */
+static int room_for(uid_t uid)
+{
+    size_t most = max_mappings();
+    if (reg_count >= most)
+        return FULL;
+    const struct uid_maps *u = uid_entry(uid);
+    return u && u->n >= (most / 2 ? most / 2 : 1) ? UID_FULL : ROOM;
+}
+
+/* A free slot holding uid's mapping, or NULL with *why (FULL, UID_FULL,
+ * NO_MEMORY). */
+static reg_slot_t *slot_take(uintptr_t base, size_t len, int prot, size_t size, uid_t uid, int *why)
 {
     reg_slot_t *got = NULL;
     pthread_mutex_lock(&reg_lock);
-    for (int c = 0; c < NCHUNKS && got == NULL && reg_count < max_mappings(); c++) {
+    struct uid_maps *u = uid_entry(uid);
+    *why = room_for(uid);
+    if (*why == ROOM && u == NULL) {
+        if (n_uid_maps == cap_uid_maps) {
+            size_t ncap = cap_uid_maps ? 2 * cap_uid_maps : 8;
+            struct uid_maps *nv = realloc(uid_maps, ncap * sizeof *nv);
+            if (nv == NULL)
+                *why = NO_MEMORY;
+            else {
+                uid_maps = nv;
+                cap_uid_maps = ncap;
+            }
+        }
+        if (*why == ROOM) {
+            u = &uid_maps[n_uid_maps++];
+            *u = (struct uid_maps){uid, 0};
+        }
+    }
+    for (int c = 0; c < NCHUNKS && got == NULL && *why == ROOM; c++) {
         reg_slot_t *ch = atomic_load(&chunks[c]);
         if (ch == NULL) {
             ch = calloc(CHUNK, sizeof *ch);
@@ -175,17 +221,26 @@ static reg_slot_t *slot_take(uintptr_t base, size_t len, int prot, size_t size)
         slot_write(got, base, len, prot);
         reg_count++;
         reg_bytes += size;
+        u->n++;
+    } else {
+        if (*why == ROOM)
+            *why = NO_MEMORY; /* a chunk's calloc */
+        if (u && u->n == 0)
+            *u = uid_maps[--n_uid_maps];
     }
     pthread_mutex_unlock(&reg_lock);
     return got;
 }
 
-static void slot_release(reg_slot_t *sl, size_t size)
+static void slot_release(reg_slot_t *sl, size_t size, uid_t uid)
 {
     pthread_mutex_lock(&reg_lock);
     slot_write(sl, 0, 0, 0);
     reg_count--;
     reg_bytes -= size;
+    struct uid_maps *u = uid_entry(uid);
+    if (u && --u->n == 0)
+        *u = uid_maps[--n_uid_maps];
     pthread_mutex_unlock(&reg_lock);
 }
 
@@ -203,7 +258,7 @@ void pb_shm_totals(size_t *count, size_t *bytes)
 static void shm_free(pb_storage_t *s)
 {
     pb_shm_t *m = s->free_ctx;
-    slot_release(m->slot, s->size);
+    slot_release(m->slot, s->size, m->uid);
     munmap(s->ptr, m->len);
     free(m);
 }
@@ -268,11 +323,18 @@ static const char *file_kind(mode_t m)
            : S_ISBLK(m) ? "block device" : "special file";
 }
 
-static int full_err(pb_err_t *err)
+static int full_err(pb_err_t *err, int why, uid_t uid)
 {
+    size_t most = pb_shm_max_mappings();
+    if (why == NO_MEMORY)
+        return pb_err_set(err, PB_ENOMEM, NULL, "out of memory for the buffer registry");
+    if (why == UID_FULL)
+        return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, NULL,
+                          "uid %u already maps %zu shared-memory buffers over its connections, its most (half of "
+                          "the daemon's %zu)", (unsigned)uid, most / 2 ? most / 2 : 1, most);
     return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, NULL,
                       "the daemon already maps %zu shared-memory buffers over all connections, its most (half of "
-                      "vm.max_map_count, at most %d)", pb_shm_max_mappings(), PB_SHM_MAX_MAPPINGS);
+                      "vm.max_map_count, at most %d)", most, PB_SHM_MAX_MAPPINGS);
 }
 
 int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count, size_t max_bytes, uint64_t *id,
@@ -337,10 +399,10 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
     {
         /* Full already: not even one more mapping (slot_take checks again). */
         pthread_mutex_lock(&reg_lock);
-        bool full = reg_count >= max_mappings();
+        int why = room_for(b->uid);
         pthread_mutex_unlock(&reg_lock);
-        if (full) {
-            rc = full_err(err);
+        if (why != ROOM) {
+            rc = full_err(err, why, b->uid);
             goto out;
         }
     }
@@ -385,11 +447,13 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
     long page = sysconf(_SC_PAGESIZE);
     size_t pg = page > 0 ? (size_t)page : 4096;
     len = ((size_t)size + pg - 1) / pg * pg;
-    slot = slot_take((uintptr_t)p, len, m->writable ? PROT_READ | PROT_WRITE : PROT_READ, (size_t)size);
+    int why;
+    slot = slot_take((uintptr_t)p, len, m->writable ? PROT_READ | PROT_WRITE : PROT_READ, (size_t)size, b->uid, &why);
     if (slot == NULL) {
-        rc = full_err(err);
+        rc = full_err(err, why, b->uid);
         goto out;
     }
+    m->uid = b->uid;
     m->len = len;
     m->slot = slot;
     m->id = b->last_id + 1;
@@ -408,7 +472,7 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
 out:
     close(fd);
     if (slot)
-        slot_release(slot, (size_t)size);
+        slot_release(slot, (size_t)size, b->uid);
     if (p != MAP_FAILED)
         munmap(p, len ? len : (size_t)size);
     free(m);

@@ -36,13 +36,15 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "../kernels/tensor.h"
 #include "../proto/codec.h"
 #include "../proto/errors.h"
 
 /* Mappings the registry holds at most, over all connections: half of the
- * kernel's vm.max_map_count (read once), and never more than this. */
+ * kernel's vm.max_map_count (read once), and never more than this; one
+ * uid's at most half of that. */
 #define PB_SHM_MAX_MAPPINGS 65536
 
 typedef struct pb_buffer_ent {
@@ -55,6 +57,8 @@ typedef struct pb_buffers {
     size_t n, cap;
     uint64_t last_id;
     size_t bytes;          /* registered sizes summed */
+    uid_t uid;             /* its connection's: one uid maps at most half of
+                            * the registry (0 after pb_buffers_init) */
 } pb_buffers_t;
 
 void pb_buffers_init(pb_buffers_t *b);

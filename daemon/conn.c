@@ -631,6 +631,7 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     } else {
         c->uid = (uid_t)-1;
     }
+    c->buffers.uid = c->uid;
     c->next = s->head;
     if (s->head)
         s->head->prev = c;

@@ -276,7 +276,8 @@ static void limits(void **state)
 
 /* The registry stops at half of vm.max_map_count (at most
  * PB_SHM_MAX_MAPPINGS), before the kernel's limit would fail every mmap of
- * the process; past it, resource_exhausted and nothing mapped. */
+ * the process, and one uid at half of that; past either,
+ * resource_exhausted and nothing mapped. */
 static void registry_cap(void **state)
 {
     (void)state;
@@ -289,23 +290,55 @@ static void registry_cap(void **state)
     }
     size_t count, bytes;
     pb_shm_totals(&count, &bytes);
-    pb_shm_set_max_mappings(count + 2);
-    pb_buffers_t b;
+    assert_int_equal(count, 0);
+    pb_shm_set_max_mappings(4);
+    pb_buffers_t b, other;
     pb_buffers_init(&b);
+    pb_buffers_init(&other);
+    other.uid = 1;
     pb_err_t err;
     uint64_t id;
     assert_int_equal(pb_buffers_register(&b, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
     assert_int_equal(pb_buffers_register(&b, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    assert_int_equal(pb_buffers_register(&other, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    assert_int_equal(pb_buffers_register(&other, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    count = 2; /* b's */
     int fd = memfd(4096, 0);
     expect(pb_buffers_register(&b, fd, 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED, "",
            "over all connections, its most (half of vm.max_map_count");
     assert_false(fd_open(fd));
     size_t now;
     pb_shm_totals(&now, &bytes);
-    assert_int_equal(now, count + 2);
+    assert_int_equal(now, 4);
     assert_int_equal(pb_buffers_unregister(&b, 1, &err), 0);
     assert_int_equal(pb_buffers_register(&b, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
     pb_buffers_destroy(&b);
+    pb_buffers_destroy(&other);
+    /* One uid maps at most half: another still registers. */
+    pb_shm_totals(&count, &bytes);
+    assert_int_equal(count, 0);
+    pb_shm_set_max_mappings(4);
+    pb_buffers_t u1, u2;
+    pb_buffers_init(&u1);
+    pb_buffers_init(&u2);
+    u1.uid = 1000;
+    u2.uid = 1001;
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(pb_buffers_register(&u1, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    fd = memfd(4096, 0);
+    expect(pb_buffers_register(&u1, fd, 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED, "",
+           "uid 1000 already maps 2 shared-memory buffers over its connections, its most (half of the daemon's 4)");
+    assert_false(fd_open(fd));
+    for (int i = 0; i < 2; i++)
+        assert_int_equal(pb_buffers_register(&u2, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    expect(pb_buffers_register(&u2, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED, "",
+           "the daemon already maps 4 shared-memory buffers over all connections"); /* the total binds first */
+    pb_buffers_destroy(&u1); /* its room comes back */
+    assert_int_equal(pb_buffers_register(&u1, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    pb_buffers_destroy(&u1);
+    pb_buffers_destroy(&u2);
+    pb_shm_totals(&count, &bytes);
+    assert_int_equal(count, 0);
     pb_shm_set_max_mappings(0);
     if (mmc)
         assert_int_equal(pb_shm_max_mappings(), mmc / 2 < PB_SHM_MAX_MAPPINGS ? (size_t)mmc / 2 : PB_SHM_MAX_MAPPINGS);
