@@ -136,6 +136,7 @@ typedef struct pb_uid_use {
     size_t members; /* connections not freed: the entry lives while any is */
     size_t held;
     size_t inflight; /* its requests in flight, closed connections' too */
+    size_t gone;     /* within one reclaim pass: held bytes of the connections it closed */
 } pb_uid_use_t;
 
 /* The server's connections. */
@@ -155,6 +156,7 @@ typedef struct pb_conns {
     size_t inflight;               /* requests in flight, closed connections' too */
     uv_idle_t decide;              /* started when the starved must decide again
                                     * (conn_budget.c); closed by pb_conns_destroy */
+    uint64_t over_ms;              /* loop time a cap was passed (0: under them) */
     uv_timer_t stall;              /* decide again once connections still moving
                                     * had PB_CONN_STALL_MS to move on (same) */
     pb_uid_use_t *uids;            /* per uid with a connection (malloc, the set's;

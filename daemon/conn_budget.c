@@ -72,14 +72,20 @@ static bool under_cap(const pb_conns_t *s)
     return s->held + pb_offloop_unmapping() < s->cfg->max_buffered_bytes;
 }
 
+static void reclaim(pb_conns_t *s);
+static bool over_a_cap(const pb_conns_t *s);
+
 /* On the loop's next turn, from the top (a refusal closes a connection,
- * which account's callers do not expect under them): under the cap the
- * starved read again; still over it, one of them decides again whether
- * anything is left to wait for, and else a victim goes. */
+ * which account's callers do not expect under them): past a cap, replies
+ * nobody reads go (reclaim); under the cap the starved read again; still
+ * over it, one of them decides again whether anything is left to wait
+ * for, and else a victim goes. */
 static void on_decide(uv_idle_t *h)
 {
     pb_conns_t *s = h->data;
     uv_idle_stop(h);
+    if (over_a_cap(s))
+        reclaim(s);
     if (s->nstarved == 0)
         return;
     bool under = under_cap(s);
@@ -96,7 +102,7 @@ static void on_decide(uv_idle_t *h)
 static void on_stall(uv_timer_t *h)
 {
     pb_conns_t *s = h->data;
-    if (s->nstarved > 0)
+    if (s->nstarved > 0 || over_a_cap(s))
         uv_idle_start(&s->decide, on_decide);
 }
 
@@ -150,6 +156,15 @@ void pb__conn_account(pb_conn_t *c)
     c->held = now;
     if (shrank)
         wake(s);
+    else if (over_a_cap(s)) {
+        /* Past a cap, whether or not anyone waits for room: a reply far
+         * bigger than its request (qr_full of a thin matrix) gets in on
+         * the one request every connection may have, and would pile up
+         * on connections whose clients read nothing. */
+        if (s->over_ms == 0)
+            s->over_ms = uv_now(s->loop);
+        uv_idle_start(&s->decide, on_decide);
+    }
 }
 
 void pb_conns_memory_back(pb_conns_t *s)
@@ -205,10 +220,10 @@ bool pb__conn_may_grow(const pb_conn_t *c, size_t more)
  * of its replies, PB_CONN_STALL_BYTES in the last PB_CONN_STALL_MS: judged
  * over windows of that length from the first look, so each look within a
  * window keeps the verdict.  The first look (or one long after the last)
- * gives the benefit of the doubt, but only while the starved connection
- * deciding (c) has waited less than two windows: connections that keep
- * coming cannot hold the decision off. */
-static bool still_moving(pb_conn_t *x, const pb_conn_t *c, uint64_t now)
+ * gives the benefit of the doubt, but only while the wait began (since:
+ * the starved connection deciding, or the cap passed) less than two
+ * windows ago: connections that keep coming cannot hold the decision off. */
+static bool still_moving(pb_conn_t *x, uint64_t since, uint64_t now)
 {
     bool big = (x->len > x->start && x->cap - x->start >= PB_CONN_STALL_BYTES) ||
                x->pending_write >= PB_CONN_STALL_BYTES;
@@ -218,7 +233,7 @@ static bool still_moving(pb_conn_t *x, const pb_conn_t *c, uint64_t now)
     if (x->seen_ms == 0 || now - x->seen_ms > 2 * PB_CONN_STALL_MS) {
         x->seen_ms = now ? now : 1;
         x->seen_done = done;
-        x->moving = now - c->starved_ms < 2 * PB_CONN_STALL_MS;
+        x->moving = now - since < 2 * PB_CONN_STALL_MS;
     } else if (now - x->seen_ms >= PB_CONN_STALL_MS) {
         x->moving = done - x->seen_done >= PB_CONN_STALL_BYTES;
         x->seen_ms = now;
@@ -269,7 +284,7 @@ void pb__conn_starve(pb_conn_t *c)
         bool partial = x->len > x->start, replies = x->pending_write + x->obuf.size > 0;
         if (!partial && !replies)
             continue;
-        if (!x->starved && still_moving(x, c, now))
+        if (!x->starved && still_moving(x, c->starved_ms, now))
             moving = true;
         if (x->held > most) {
             most = x->held;
@@ -310,4 +325,69 @@ void pb__conn_starve(pb_conn_t *c)
                         "max_buffered_bytes (%zu) is reached, nothing else can give memory back, and this "
                         "connection holds the most of it (%zu bytes: %s)",
                         cfg->max_buffered_bytes, most, what);
+}
+
+/* Is the total, or some uid's, past its cap? */
+static bool over_a_cap(const pb_conns_t *s)
+{
+    if (s->held + pb_offloop_unmapping() > s->cfg->max_buffered_bytes)
+        return true;
+    for (size_t i = 0; i < s->nuids; i++)
+        if (s->uids[i].held > s->cfg->max_buffered_bytes_per_uid)
+            return true;
+    return false;
+}
+
+/* Past a cap: the connections holding replies their clients do not read
+ * (none moving PB_CONN_STALL_BYTES a PB_CONN_STALL_MS) close, those
+ * holding the most first, until what stays is under the caps.  Replies
+ * still being read are waited for (a look again each window); so is
+ * nothing else: requests in flight only add their replies.  Closing frees
+ * the replies as libuv cancels their writes, on later turns: the count
+ * here is what will stay. */
+static void reclaim(pb_conns_t *s)
+{
+    const pb_config_t *cfg = s->cfg;
+    uint64_t now = uv_now(s->loop);
+    if (s->over_ms == 0)
+        s->over_ms = now;
+    size_t total = s->held + pb_offloop_unmapping();
+    bool moving = false;
+    for (;;) {
+        pb_conn_t *victim = NULL;
+        for (pb_conn_t *x = s->head; x; x = x->next) {
+            if (x->closing || x->pending_write == 0)
+                continue;
+            const pb_uid_use_t *u = use_of(s, x);
+            bool over = total > cfg->max_buffered_bytes || (u && u->held - u->gone > cfg->max_buffered_bytes_per_uid);
+            if (!over)
+                continue;
+            if (still_moving(x, s->over_ms, now)) {
+                moving = true;
+                continue;
+            }
+            if (victim == NULL || x->held > victim->held)
+                victim = x;
+        }
+        if (victim == NULL)
+            break;
+        pb_uid_use_t *u = use_of(s, victim);
+        bool per_uid = total <= cfg->max_buffered_bytes;
+        pb_conn_log(victim, PB_LOG_NOTICE,
+                    "connection %llu (uid %u): %s (%zu) is passed, and this connection holds %zu bytes of replies "
+                    "its client has not read; closing it",
+                    (unsigned long long)victim->id, (unsigned)victim->uid,
+                    per_uid ? "max_buffered_bytes_per_uid" : "max_buffered_bytes",
+                    per_uid ? cfg->max_buffered_bytes_per_uid : cfg->max_buffered_bytes, victim->held);
+        total -= victim->held < total ? victim->held : total;
+        if (u) /* the close gives the bytes back when its writes end */
+            u->gone += victim->held < u->held - u->gone ? victim->held : u->held - u->gone;
+        pb_conn_close(victim);
+    }
+    for (size_t i = 0; i < s->nuids; i++)
+        s->uids[i].gone = 0;
+    if (moving)
+        uv_timer_start(&s->stall, on_stall, PB_CONN_STALL_MS, 0);
+    if (!over_a_cap(s))
+        s->over_ms = 0;
 }
