@@ -156,15 +156,12 @@ void pb__conn_account(pb_conn_t *c)
     c->held = now;
     if (shrank)
         wake(s);
-    else if (over_a_cap(s)) {
+    else if (over_a_cap(s))
         /* Past a cap, whether or not anyone waits for room: a reply far
          * bigger than its request (qr_full of a thin matrix) gets in on
          * the one request every connection may have, and would pile up
          * on connections whose clients read nothing. */
-        if (s->over_ms == 0)
-            s->over_ms = uv_now(s->loop);
         uv_idle_start(&s->decide, on_decide);
-    }
 }
 
 void pb_conns_memory_back(pb_conns_t *s)
@@ -242,6 +239,19 @@ static bool still_moving(pb_conn_t *x, uint64_t since, uint64_t now)
     return x->moving;
 }
 
+/* Close v, which holds replies its client does not read, at once: an
+ * error would wait behind them, and so would their memory.  The log says
+ * which cap and why (how: the case, held: the bytes). */
+static void close_unread(pb_conn_t *v, bool per_uid, const char *how, size_t held, const char *what)
+{
+    const pb_config_t *cfg = v->set->cfg;
+    pb_conn_log(v, PB_LOG_NOTICE, "connection %llu (uid %u): %s (%zu) %s (%zu bytes: %s); closing it",
+                (unsigned long long)v->id, (unsigned)v->uid,
+                per_uid ? "max_buffered_bytes_per_uid" : "max_buffered_bytes",
+                per_uid ? cfg->max_buffered_bytes_per_uid : cfg->max_buffered_bytes, how, held, what);
+    pb_conn_close(v);
+}
+
 void pb__conn_starve(pb_conn_t *c)
 {
     pb_conns_t *s = c->set;
@@ -304,15 +314,8 @@ void pb__conn_starve(pb_conn_t *c)
                        : partial          ? "an incomplete message"
                                           : "replies its client has not read";
     if (victim->pending_write > 0) {
-        /* An error would wait behind the replies its client does not read,
-         * and so would their memory: it closes now, they with it. */
-        pb_conn_log(victim, PB_LOG_NOTICE,
-                    "connection %llu (uid %u): %s (%zu) is reached, nothing else can give memory back, and this "
-                    "connection holds the most of it (%zu bytes: %s); closing it",
-                    (unsigned long long)victim->id, (unsigned)victim->uid,
-                    per_uid ? "max_buffered_bytes_per_uid" : "max_buffered_bytes",
-                    per_uid ? cfg->max_buffered_bytes_per_uid : cfg->max_buffered_bytes, most, what);
-        pb_conn_close(victim);
+        close_unread(victim, per_uid, "is reached, nothing else can give memory back, and this connection holds "
+                     "the most of it", most, what);
         return;
     }
     if (per_uid)
@@ -372,17 +375,12 @@ static void reclaim(pb_conns_t *s)
         if (victim == NULL)
             break;
         pb_uid_use_t *u = use_of(s, victim);
-        bool per_uid = total <= cfg->max_buffered_bytes;
-        pb_conn_log(victim, PB_LOG_NOTICE,
-                    "connection %llu (uid %u): %s (%zu) is passed, and this connection holds %zu bytes of replies "
-                    "its client has not read; closing it",
-                    (unsigned long long)victim->id, (unsigned)victim->uid,
-                    per_uid ? "max_buffered_bytes_per_uid" : "max_buffered_bytes",
-                    per_uid ? cfg->max_buffered_bytes_per_uid : cfg->max_buffered_bytes, victim->held);
-        total -= victim->held < total ? victim->held : total;
+        size_t held = victim->held;
+        total -= held < total ? held : total;
         if (u) /* the close gives the bytes back when its writes end */
-            u->gone += victim->held < u->held - u->gone ? victim->held : u->held - u->gone;
-        pb_conn_close(victim);
+            u->gone += held < u->held - u->gone ? held : u->held - u->gone;
+        close_unread(victim, total + held <= cfg->max_buffered_bytes, "is passed, and this connection holds", held,
+                     "replies its client has not read");
     }
     for (size_t i = 0; i < s->nuids; i++)
         s->uids[i].gone = 0;

@@ -274,6 +274,14 @@ static void limits(void **state)
     pb_buffers_destroy(&b);
 }
 
+/* One 4096-byte buffer more in b, which must succeed. */
+static void register_page(pb_buffers_t *b)
+{
+    pb_err_t err;
+    uint64_t id;
+    assert_int_equal(pb_buffers_register(b, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+}
+
 /* The registry stops at half of vm.max_map_count (at most
  * PB_SHM_MAX_MAPPINGS), before the kernel's limit would fail every mmap of
  * the process, and one uid at half of that; past either,
@@ -298,11 +306,10 @@ static void registry_cap(void **state)
     other.uid = 1;
     pb_err_t err;
     uint64_t id;
-    assert_int_equal(pb_buffers_register(&b, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
-    assert_int_equal(pb_buffers_register(&b, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
-    assert_int_equal(pb_buffers_register(&other, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
-    assert_int_equal(pb_buffers_register(&other, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
-    count = 2; /* b's */
+    for (int i = 0; i < 2; i++) {
+        register_page(&b);
+        register_page(&other);
+    }
     int fd = memfd(4096, 0);
     expect(pb_buffers_register(&b, fd, 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED, "",
            "over all connections, its most (half of vm.max_map_count");
@@ -311,7 +318,7 @@ static void registry_cap(void **state)
     pb_shm_totals(&now, &bytes);
     assert_int_equal(now, 4);
     assert_int_equal(pb_buffers_unregister(&b, 1, &err), 0);
-    assert_int_equal(pb_buffers_register(&b, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    register_page(&b);
     pb_buffers_destroy(&b);
     pb_buffers_destroy(&other);
     /* One uid maps at most half: another still registers. */
@@ -324,17 +331,17 @@ static void registry_cap(void **state)
     u1.uid = 1000;
     u2.uid = 1001;
     for (int i = 0; i < 2; i++)
-        assert_int_equal(pb_buffers_register(&u1, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+        register_page(&u1);
     fd = memfd(4096, 0);
     expect(pb_buffers_register(&u1, fd, 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED, "",
            "uid 1000 already maps 2 shared-memory buffers over its connections, its most (half of the daemon's 4)");
     assert_false(fd_open(fd));
     for (int i = 0; i < 2; i++)
-        assert_int_equal(pb_buffers_register(&u2, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+        register_page(&u2);
     expect(pb_buffers_register(&u2, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED, "",
            "the daemon already maps 4 shared-memory buffers over all connections"); /* the total binds first */
     pb_buffers_destroy(&u1); /* its room comes back */
-    assert_int_equal(pb_buffers_register(&u1, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), 0);
+    register_page(&u1);
     pb_buffers_destroy(&u1);
     pb_buffers_destroy(&u2);
     pb_shm_totals(&count, &bytes);
