@@ -13,6 +13,7 @@ The permission checks run another uid (nobody) and so need root; as
 another user they are skipped.
 """
 
+import collections
 import json
 import os
 import pwd
@@ -294,9 +295,13 @@ class Running(DaemonCase):
                                  f"{what}: elements of {name} (of {u.size}) differ in their bits")
 
         # The load: two clients sending eigh_vals of a small f32 matrix
-        # over and over, so that the other worker nearly always has one to
-        # run.  Nothing of them splits (their GEMMs, GEMVs and copies are
-        # under the split sizes), so a piece helped while they run is ours.
+        # over and over, two in flight each, so that a job is always
+        # queued for the other worker (a worker takes a queued job before
+        # it helps; with one in flight each, the gaps between a reply and
+        # the next request left it idle, and under ThreadSanitizer idle
+        # often enough to help in each of 20 requests).  Nothing of them
+        # splits (their GEMMs, GEMVs and copies are under the split
+        # sizes), so a piece helped while they run is ours.
         S = rng.standard_normal((160, 160)).astype(np.float32)
         S = S + S.T
         with pullbackd.Client(self.path) as c:
@@ -315,8 +320,14 @@ class Running(DaemonCase):
 
                 def load():
                     with pullbackd.Client(self.path) as c2:
+                        params = {"op": "eigh_vals", "inputs": {"A": pullbackd.encode_tensor(S)}}
+                        sent = collections.deque()
                         while not stop.is_set():
-                            c2.forward("eigh_vals", {"A": S})
+                            while len(sent) < 2:
+                                sent.append(c2.send("forward", params))
+                            c2.wait(sent.popleft())
+                        for m in sent:
+                            c2.wait(m)
 
                 busy = [threading.Thread(target=load) for _ in range(2)]
                 for t in busy:
