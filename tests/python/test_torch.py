@@ -353,6 +353,23 @@ class OnceDifferentiableTest(TorchCase):
             with self.assertRaisesRegex(RuntimeError, "forward-mode AD tangent"):
                 pt.fused_dense(dual, x)
 
+    def test_functorch_transforms_raise(self):
+        """vmap and grad hand the op wrapped tensors without storage: a
+        clear refusal at the call, not numpy's error about data pointers
+        or functorch's about saved tensor hooks."""
+        try:
+            import functorch
+        except ImportError:
+            self.skipTest("no functorch")
+        W, xs = rand(2, 3, grad=False), rand(5, 3, 4, grad=False)
+        with self.assertRaisesRegex(RuntimeError, "input 'x' is a tensor of a functorch transform"):
+            functorch.vmap(lambda x: pt.fused_dense(W, x))(xs)
+        with self.assertRaisesRegex(RuntimeError, "input 'weight' is a tensor of a functorch transform"):
+            functorch.grad(lambda W: pt.fused_dense(W, xs[0]).sum())(W)
+        # A plain tensor captured inside a transform is no transform's.
+        got = functorch.vmap(lambda s: pt.fused_dense(W, xs[0]).sum() * s)(torch.ones(2, dtype=torch.float64))
+        self.assertEqual(got.shape, (2,))
+
     def test_ttl_s_in_the_conveniences(self):
         W, x = rand(2, 3), rand(3, 4, grad=False)
         y = pt.fused_dense(W, x, ttl_s=0.05)

@@ -34,7 +34,8 @@ closed it after a parse error); see ``default_client`` and
 The rules are differentiable once: a backward with ``create_graph=True``
 (a gradient penalty, ``torch.autograd.functional.hessian``) gives
 gradients that raise when differentiated again, and forward-mode AD
-(``torch.autograd.forward_ad``, jvp) raises at the call.
+(``torch.autograd.forward_ad``, jvp) raises at the call, and so do
+functorch's transforms (vmap, grad, jacrev).
 """
 
 import os
@@ -222,6 +223,22 @@ def _no_tangents(tensors):
                                "rules only (no jvp)")
 
 
+def _no_functorch(tensors):
+    """functorch's transforms (vmap, grad, jacrev ...) hand an op wrapped
+    tensors without storage of their own, which the wire cannot send (the
+    error was "Cannot access data pointer of Tensor that doesn't have
+    storage"): refuse them with what to use instead."""
+    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    if wrapped is None:
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and wrapped(t):
+            raise RuntimeError(f"input {name!r} is a tensor of a functorch transform (vmap, grad, jacrev ...): "
+                               "pullbackd.torch runs on plain tensors; take gradients with torch.autograd "
+                               "(backward, torch.autograd.grad, gradcheck) and batch with a loop or the op's "
+                               "own batch dimension")
+
+
 class _DaemonOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, *tensors):
@@ -291,6 +308,7 @@ def call(op, inputs, options=None, client=None, *, ttl_s=None):
         if isinstance(v, torch.Tensor):
             raise TypeError(f"option {k!r} may not be a tensor")
     _no_tangents(tensors)
+    _no_functorch(tensors)
     needs_grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in tensors.values())
     if not needs_grad:
