@@ -124,7 +124,12 @@ void pb_storage_unref(pb_storage_t *s)
 bool pb_shape_count(int rank, const uint64_t *shape, size_t itemsize, size_t *count, size_t *bytes)
 {
     size_t n = 1;
-    for (int i = 0; i < rank; i++) {
+    /* A zero-size dimension makes zero elements, whatever the others are
+     * and wherever it stands (contract section 2). */
+    for (int i = 0; i < rank; i++)
+        if (shape[i] == 0)
+            n = 0;
+    for (int i = 0; i < rank && n; i++) {
         if (shape[i] > SIZE_MAX || __builtin_mul_overflow(n, (size_t)shape[i], &n))
             return false;
     }

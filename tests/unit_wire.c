@@ -332,6 +332,14 @@ static void tensor_decode(void **state)
     assert_int_equal(decode("f32", 2, zero, NULL, 0, &t, &err), 0);
     assert_int_equal(pb_tensor_count(&t), 0);
     pb_tensor_clear(&t);
+    /* Zero elements wherever the zero stands, however large the rest
+     * (the product of the others would overflow). */
+    uint64_t zero_first[] = {0, 1ull << 40, 1ull << 40}, zero_last[] = {1ull << 40, 1ull << 40, 0};
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(decode("f64", 3, k ? zero_last : zero_first, NULL, 0, &t, &err), 0);
+        assert_int_equal(pb_tensor_count(&t), 0);
+        pb_tensor_clear(&t);
+    }
     assert_int_equal(decode("f32", 0, NULL, NULL, 4, &t, &err), 0); /* a scalar */
     assert_int_equal(pb_tensor_count(&t), 1);
     pb_tensor_clear(&t);
