@@ -269,6 +269,10 @@ static int reverse_params(pb_req_t *r, const msgpack_object *params)
         else if (!pb__obj_handle(o, &v->handle))
             rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "tape", "tape must be a uint64 handle (a non-negative integer from augmented_forward)");
     }
+    /* Contract section 3: {tape, cotangents, keep?}; {} asks for zeros. */
+    if (rc == 0 && pb__obj_get(params, "cotangents") == NULL)
+        rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "cotangents",
+                        "missing cotangents (a map from output names to their cotangents; {} for all zero)");
     if (rc == 0)
         rc = pb_request_order(params, &v->order, &r->err);
     const msgpack_object *keep = pb__obj_get(params, "keep");

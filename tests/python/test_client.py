@@ -512,6 +512,11 @@ class DaemonTest(DaemonCase):
                                            options={"act": "tanh"})
         self.assertCode("dtype_mismatch", self.c.reverse, tape, {"y": ybar.astype(np.float32)})
         self.assertCode("shape_mismatch", self.c.reverse, tape, {"y": ybar[:2]})
+        # cotangents is required (contract section 3), {} being all zero:
+        # without it the reverse is refused and the tape stays.
+        with self.assertRaises(pullbackd.PullbackError) as e:
+            self.c.call("reverse", {"tape": tape.handle})
+        self.assertEqual((e.exception.code, e.exception.details.get("arg")), ("invalid_argument", "cotangents"))
         g1 = self.c.reverse(tape, {"y": ybar}, keep=True)
         g2 = self.c.reverse(tape.handle, {"y": ybar}, keep=True)
         for name in ("weight", "bias"):
