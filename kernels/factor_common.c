@@ -77,9 +77,25 @@ int pb__fz_check(pb_call_t *c, bool square, pb_err_t *err)
     if (A->rank != 2)
         return pb_err_set(err, PB_ESHAPE_MISMATCH, "inputs.A", "A must be a matrix (m, n), got shape %s",
                           pb_shape_str(A, s1, sizeof s1));
-    if (A->shape[0] > 46340 || A->shape[1] > 46340) /* m·n, m² stay below LAPACK's 2^31 */
+    /* LAPACK indexes an array with 32-bit integers: its leading dimension
+     * times its columns stays below 2^31.  A leading dimension here is at
+     * most 64 elements past the rows (FZ(lapack_ld)), and a workspace holds
+     * at most 64 columns of the long side besides the k×k ones (block
+     * sizes), so (m + 64)·(n + 64) < 2^31 covers A, the thin factors and
+     * the workspaces: a tall-skinny A may be long.  The ops that make a
+     * square matrix of the long side (eig, eigh, the full and null forms)
+     * also keep (s + 64)² < 2^31. */
+    const uint64_t m = A->shape[0], n = A->shape[1], lim = (uint64_t)1 << 31, side = m > n ? m : n;
+    const bool long_square = square || c->op->variant == FZ_FULL || c->op->variant == FZ_NULL;
+    if (long_square && side > PB_FZ_MAX_SIDE)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs.A",
-                          "A %s is larger than the 46340 rows or columns these factorizations take",
+                          "A %s is too large for %s: it makes a %llu×%llu matrix, and LAPACK's 32-bit indices take "
+                          "at most %d rows and columns there",
+                          pb_shape_str(A, s1, sizeof s1), c->op->name, (unsigned long long)side,
+                          (unsigned long long)side, PB_FZ_MAX_SIDE);
+    if (m >= lim || n >= lim || (m + 64) * (n + 64) >= lim)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs.A",
+                          "A %s is too large for LAPACK's 32-bit indices: (m + 64)·(n + 64) must stay below 2^31",
                           pb_shape_str(A, s1, sizeof s1));
     if (square && A->shape[0] != A->shape[1])
         return pb_err_set(err, PB_ESHAPE_MISMATCH, "inputs.A", "%s needs a square A, got shape %s", c->op->name,

@@ -104,6 +104,9 @@ void pb__fz_lapack_setup(void);
 
 /* Validation, shared: A a matrix small enough for LAPACK (square when
  * asked), maxrank and the tolerances in range. */
+/* The longest side of a square matrix a factorization makes: (s + 64)² <
+ * 2^31 (pb__fz_check says why). */
+#define PB_FZ_MAX_SIDE 46276
 int pb__fz_check(pb_call_t *c, bool square, pb_err_t *err);
 /* out_meta[i]: an r×cols matrix of dtype d (a vector of r when cols < 0). */
 void pb__fz_meta(pb_call_t *c, int i, pb_dtype_t d, uint64_t r, int64_t cols);

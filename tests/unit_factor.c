@@ -1006,6 +1006,62 @@ static int forward_rc(const char *op, pb_dtype_t d, int m, int n, int kind, doub
     return rc;
 }
 
+/* validate() of op on an A of shape (m, n) with no data: the size checks
+ * read the shape alone. */
+static int validate_shape(const char *op, uint64_t m, uint64_t n, pb_err_t *err)
+{
+    pb_call_t c;
+    call_init(&c, op, PB_F64, 'C');
+    c.in[0].dtype = PB_F64;
+    c.in[0].rank = 2;
+    c.in[0].shape[0] = m;
+    c.in[0].shape[1] = n;
+    c.in[0].order = 'C';
+    pb_call_defaults(&c);
+    int rc = c.op->validate(&c, err);
+    pb_call_clear(&c);
+    return rc;
+}
+
+/* LAPACK's 32-bit indices bound the sizes (pb__fz_check): a tall-skinny A
+ * may be far longer than any square matrix, except for the ops that make a
+ * square matrix of its long side. */
+static void size_limits(void **state)
+{
+    (void)state;
+    pb_err_t err = {0};
+    static const char *const thin[] = {"qr_compact", "svd_compact", "svd_vals", "svd_trunc", "left_polar"};
+    for (size_t i = 0; i < sizeof thin / sizeof thin[0]; i++) {
+        assert_int_equal(validate_shape(thin[i], 50000, 2, &err), 0);
+        assert_int_equal(validate_shape(thin[i], 30000000, 2, &err), 0);
+        /* (m + 64)·(n + 64) reaches 2^31, and shapes whose product overflows */
+        assert_int_equal(validate_shape(thin[i], 30000000, 8, &err), PB_EINVALID_ARGUMENT);
+        assert_non_null(strstr(err.message, "32-bit indices"));
+        assert_int_equal(validate_shape(thin[i], (uint64_t)1 << 40, (uint64_t)1 << 40, &err), PB_EINVALID_ARGUMENT);
+        assert_int_equal(validate_shape(thin[i], (uint64_t)1 << 31, 1, &err), PB_EINVALID_ARGUMENT);
+    }
+    assert_int_equal(validate_shape("lq_compact", 2, 50000, &err), 0);
+    assert_int_equal(validate_shape("svd_vals", 2, 50000, &err), 0);
+    assert_int_equal(validate_shape("right_polar", 2, 50000, &err), 0);
+    static const char *const long_square[] = {"qr_full", "qr_null", "lq_full", "lq_null", "svd_full",
+                                              "eigh_full", "eigh_vals", "eig_full", "eig_vals"};
+    for (size_t i = 0; i < sizeof long_square / sizeof long_square[0]; i++) {
+        bool sq = strncmp(long_square[i], "eig", 3) == 0;
+        uint64_t n = sq ? PB_FZ_MAX_SIDE + 1 : 2;
+        uint64_t m = strncmp(long_square[i], "lq", 2) == 0 ? n : PB_FZ_MAX_SIDE + 1;
+        if (strncmp(long_square[i], "lq", 2) == 0)
+            n = PB_FZ_MAX_SIDE + 1;
+        assert_int_equal(validate_shape(long_square[i], m, n, &err), PB_EINVALID_ARGUMENT);
+        assert_string_equal(err.arg, "inputs.A");
+        assert_non_null(strstr(err.message, "at most 46276 rows and columns"));
+        if (!sq) /* one row or column fewer is taken */
+            assert_int_equal(validate_shape(long_square[i], m == 2 ? 2 : m - 1, n == 2 ? 2 : n - 1, &err), 0);
+    }
+    /* the bound itself: (s + 64)² < 2^31 <= (s + 65)² */
+    assert_true((uint64_t)(PB_FZ_MAX_SIDE + 64) * (PB_FZ_MAX_SIDE + 64) < (uint64_t)1 << 31);
+    assert_true((uint64_t)(PB_FZ_MAX_SIDE + 65) * (PB_FZ_MAX_SIDE + 65) >= (uint64_t)1 << 31);
+}
+
 static void errors(void **state)
 {
     (void)state;
@@ -1457,7 +1513,7 @@ int main(void)
         cmocka_unit_test(trunc_not_naive), cmocka_unit_test(errors),          cmocka_unit_test(zero_size),
         cmocka_unit_test(tape_sizes),      cmocka_unit_test(qr_blocks),       cmocka_unit_test(lapack_failures),
         cmocka_unit_test(padded_work),     cmocka_unit_test(tiny_scales),     cmocka_unit_test(extreme_scales),  cmocka_unit_test(qr_rescaled),
-        cmocka_unit_test(values_alone),
+        cmocka_unit_test(values_alone),      cmocka_unit_test(size_limits),
         cmocka_unit_test(table_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -253,6 +253,35 @@ class FactorTest(DaemonCase):
         self.c.reverse(tape, {"S": np.ones(3)})
         self.assertEqual(self.c.stats()["tapes"], 0)
 
+    def test_tall_and_wide(self):
+        """A tall-skinny A longer than any square matrix LAPACK indexes
+        (50000 > 46276 rows): the thin factorizations take it, against
+        numpy, and their pullbacks check; those that would make a square
+        matrix of its long side say so."""
+        m = 50000
+        A = self.rand((m, 2), np.float64)
+        q, r = np.linalg.qr(A)
+        ph = np.sign(np.diag(r))
+        out = self.c.forward("qr_compact", {"A": A})
+        self.close(out["Q"], q * ph, np.float64, 1.0, "tall Q")
+        self.close(out["R"], r * ph[:, None], np.float64, float(np.max(np.abs(r))), "tall R")
+        S = np.linalg.svd(A, compute_uv=False)
+        for op in ("svd_vals", "svd_compact"):
+            self.close(self.c.forward(op, {"A": A})["S"], S, np.float64, float(S[0]), f"tall {op}")
+            self.close(self.c.forward(op, {"A": A.T.copy()})["S"], S, np.float64, float(S[0]), f"wide {op}")
+        L, Q = (self.c.forward("lq_compact", {"A": A.T.copy()})[k] for k in ("L", "Q"))
+        self.close(L @ Q, A.T, np.float64, float(np.max(np.abs(A))), "wide L·Q")
+        W, P = (self.c.forward("left_polar", {"A": A})[k] for k in ("W", "P"))
+        self.close(W @ P, A, np.float64, float(np.max(np.abs(A))), "tall W·P")
+        for op in ("qr_compact", "svd_vals"):
+            r = self.c.check(op, {"A": A}, wrt=["A"], seed=3)
+            self.assertLessEqual(r["max_rel_err"], 1e-6, f"tall {op}")
+        for op, a in (("qr_full", A), ("svd_full", A), ("qr_null", A), ("lq_full", A.T.copy())):
+            with self.assertRaises(PullbackError) as e:
+                self.c.forward(op, {"A": a})
+            self.assertEqual(e.exception.code, "invalid_argument", op)
+            self.assertIn("46276", e.exception.message, op)
+
     def test_trunc_and_tape(self):
         A = self.rand((9, 7), np.float64)
         out, tape = self.c.augmented_forward("svd_trunc", {"A": A}, wrt=["A"], options={"maxrank": 3})
