@@ -112,7 +112,7 @@ static const pb_setting_t keys[] = {
     {"max-tapes-per-connection", PB_SET_SIZE, FIELD(max_tapes_per_connection), "65536", 1, 0, true,
      "max_tapes_per_connection", "N", "tapes created by one connection"},
     {"max-inflight-per-connection", PB_SET_SIZE, FIELD(max_inflight_per_connection), "1024", 1, 0, true,
-     "max_inflight_per_connection", "N", "requests in flight per connection before the\ndaemon stops reading from it"},
+     "max_inflight_per_connection", "N", "requests in flight per connection; one more is\nrefused (resource_exhausted)"},
     {"max-buffers-per-connection", PB_SET_SIZE, FIELD(max_buffers_per_connection), "64", 0, 0, true,
      "max_buffers_per_connection", "N", "shared-memory buffers registered by one connection;\n0 turns register_buffer off"},
     {"max-buffer-bytes-per-connection", PB_SET_SIZE, FIELD(max_buffer_bytes_per_connection), "64G", 0, 0, true,

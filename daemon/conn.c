@@ -362,8 +362,7 @@ static bool blocked(const pb_conn_t *c)
      * callback that looks again (on_write, pb_conn_request_done).  Not
      * those batched in obuf: the flush may write them whole, inline,
      * with no callback after it. */
-    return c->inflight >= cfg->max_inflight_per_connection || replies > cfg->max_queued_bytes_per_connection ||
-           (replies > 0 && pb__conn_over_share(c, replies));
+    return replies > cfg->max_queued_bytes_per_connection || (replies > 0 && pb__conn_over_share(c, replies));
 }
 
 /* After the client's shutdown(SHUT_WR) (nc -N, a one-shot script): once

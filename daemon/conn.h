@@ -13,8 +13,8 @@
  *               and framing state, its identity (SO_PEERCRED), the tapes
  *               it created, its requests in flight.
  *   in flight   a message handed to on_message whose request has not
- *               called pb_conn_request_done; past
- *               max_inflight_per_connection the connection stops reading.
+ *               called pb_conn_request_done; a request past
+ *               max_inflight_per_connection is refused (rpc.c).
  *   queued      reply bytes handed to the socket and not yet written
  *               (pending_write): the client has not read them.
  *   reserved    bytes the requests in flight hold or will queue: each
@@ -293,6 +293,8 @@ static inline bool pb_conn_closing(const pb_conn_t *c) { return c->closing; }
 static inline uint64_t pb_conn_id(const pb_conn_t *c) { return c->id; }
 static inline uid_t pb_conn_uid(const pb_conn_t *c) { return c->uid; }
 static inline pid_t pb_conn_pid(const pb_conn_t *c) { return c->pid; }
+/* Its requests in flight (notifications too). */
+static inline size_t pb_conn_inflight(const pb_conn_t *c) { return c->inflight; }
 /* The zone the message being served is unpacked into (cleared after). */
 static inline msgpack_zone *pb_conn_zone(pb_conn_t *c) { return &c->zone; }
 static inline pb_buffers_t *pb_conn_buffers(pb_conn_t *c) { return &c->buffers; }

@@ -181,16 +181,22 @@ void pb__req_submit(pb_req_t *r, double cost, pb_device_t dev)
 
 /* ---- envelope ----------------------------------------------------------- */
 
-static void reply_early(pb_rpc_t *rpc, pb_conn_t *c, uint32_t msgid, int code, const char *fmt, const char *detail)
+static void reply_early_arg(pb_rpc_t *rpc, pb_conn_t *c, uint32_t msgid, int code, const char *arg, const char *fmt,
+                            const char *detail)
 {
     pb_err_t err;
-    pb_err_set(&err, code, NULL, fmt, detail);
+    pb_err_set(&err, code, arg, fmt, detail);
     pb_out_t o;
     pb_out_init(&o);
     pb_out_error_response(&o, msgid, &err);
     pb_conn_send(c, &o);
     rpc->requests_served++;
     pb_metrics_observe(&rpc->metrics, rpc->metrics.nmethods, code, 0); /* no method: "other" */
+}
+
+static void reply_early(pb_rpc_t *rpc, pb_conn_t *c, uint32_t msgid, int code, const char *fmt, const char *detail)
+{
+    reply_early_arg(rpc, c, msgid, code, NULL, fmt, detail);
 }
 
 /* The msgid of a message [0, msgid, ...] when it is a uint32; else false
@@ -265,6 +271,18 @@ void pb_rpc_message(pb_rpc_t *rpc, pb_conn_t *c, pb_storage_t *msg, bool late)
         goto out;
     }
 
+    /* Contract section 7: going past a limit is resource_exhausted with
+     * the limit named, and nothing else is disturbed.  Notifications
+     * (release) are always taken: they free, and have no reply to refuse
+     * with.  What the refusals queue is bounded by the reply caps. */
+    if (!notify && pb_conn_inflight(c) >= rpc->cfg->max_inflight_per_connection) {
+        char why[96];
+        snprintf(why, sizeof why, "%zu requests of this connection are in flight",
+                 pb_conn_inflight(c));
+        reply_early_arg(rpc, c, msgid, PB_ERESOURCE_EXHAUSTED, "max_inflight_per_connection",
+                        "%s, the max_inflight_per_connection limit; send more once replies come", why);
+        goto out;
+    }
     pb_req_t *r = calloc(1, sizeof *r);
     if (r == NULL) {
         if (!notify)

@@ -954,26 +954,59 @@ static void socket_takeover(void **state)
     still_serving_then_stop(d);
 }
 
-/* Past --max-inflight-per-connection the daemon stops reading from the
- * connection: nothing is dropped, every reply arrives. */
-static void back_pressure(void **state)
+/* Past --max-inflight-per-connection a request is refused at once,
+ * resource_exhausted naming the limit (contract section 7), and nothing
+ * else is disturbed: every request is answered, those taken normally. */
+static uint32_t send_wx(pb_client_t *c, const pb_ctensor_t *t)
+{
+    msgpack_packer *pk = pb_client_begin(c, "forward");
+    msgpack_pack_map(pk, 2);
+    pack_wx(pk, t, t);
+    uint32_t id;
+    assert_int_equal(pb_client_send(c, &id), 0);
+    return id;
+}
+
+static void inflight_limit(void **state)
 {
     (void)state;
     daemon_t *d = &solo;
     assert_int_equal(start(d, "--max-inflight-per-connection", "2", NULL), 0);
     pb_client_t *c = conn(d);
-    fd_t f;
-    random_fd(&f, "f64", "gelu", 29);
+    /* 64x64 by 64x64: past what runs on the loop, so requests wait on
+     * the workers and stay in flight. */
+    static double m[64 * 64];
+    for (int i = 0; i < 64 * 64; i++)
+        m[i] = (i % 7) * 0.1;
+    const pb_ctensor_t t = {.dtype = "f64", .rank = 2, .shape = {64, 64}, .data = m, .nbytes = sizeof m};
     enum { N = 300 };
     static uint32_t ids[N];
     for (int i = 0; i < N; i++)
-        ids[i] = send_fd(c, &f, NULL, NULL, NULL);
+        ids[i] = send_wx(c, &t);
+    int ok = 0, refused = 0;
     for (int i = 0; i < N; i++) {
         pb_reply_t r;
         assert_int_equal(pb_client_wait(c, ids[i], &r), 0);
-        assert_null(r.error);
+        if (r.error == NULL) {
+            assert_non_null(pb_obj_path(r.result, "outputs.y"));
+            ok++;
+        } else {
+            assert_string_equal(pb_reply_code(&r), "resource_exhausted");
+            assert_int_equal(pb_obj_strcmp(pb_obj_get(r.error, "limit"), "max_inflight_per_connection"), 0);
+            refused++;
+        }
+        /* The first two find room. */
+        if (i < 2)
+            assert_null(r.error);
         pb_reply_free(&r);
     }
+    assert_int_equal(ok + refused, N);
+    assert_true(refused > 0);
+    /* Then served as before. */
+    pb_reply_t r;
+    assert_int_equal(pb_client_wait(c, send_wx(c, &t), &r), 0);
+    assert_null(r.error);
+    pb_reply_free(&r);
     pb_client_close(c);
     assert_int_equal(daemon_stop(d), 0);
 }
@@ -1042,9 +1075,10 @@ static void sigterm_pipelined(void **state)
 {
     (void)state;
     daemon_t *d = &solo;
-    /* One request in flight at a time: while a slow one runs the daemon
-     * does not read, and what the client sends piles up in the socket. */
-    assert_int_equal(start(d, "--max-inflight-per-connection", "1", NULL), 0);
+    /* One request in flight at a time (any reply to come is past the
+     * queued-bytes cap): while a slow one runs the daemon does not read,
+     * and what the client sends piles up in the socket. */
+    assert_int_equal(start(d, "--max-queued-bytes-per-connection", "1", NULL), 0);
     pb_client_t *c = conn(d);
     enum { MAXID = 1 << 20, BEFORE = 200 };
     static unsigned char st[MAXID]; /* by msgid: 0 not sent, 1 sent before, 2 after, 3 answered */
@@ -1599,7 +1633,7 @@ int main(int argc, char **argv)
         cmocka_unit_test_teardown(limits, stop_solo),
         cmocka_unit_test_teardown(shutdown_method, stop_solo),
         cmocka_unit_test_teardown(socket_takeover, stop_solo),
-        cmocka_unit_test_teardown(back_pressure, stop_solo),
+        cmocka_unit_test_teardown(inflight_limit, stop_solo),
         cmocka_unit_test_teardown(sigterm_drain, stop_solo),
         cmocka_unit_test_teardown(sigterm_pipelined, stop_solo),
         cmocka_unit_test_teardown(sigterm_client_not_reading, stop_solo),

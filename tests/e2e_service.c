@@ -743,8 +743,48 @@ static void reload(void **state)
     assert_int_equal(stop(&d), 0);
 }
 
-/* A reload while a connection is held back by the in-flight limit, with
- * requests on the workers: every request is answered, none is lost. */
+/* 48x48 by 48x48 fused_dense (about 221k flops, past what runs on the
+ * loop), sent without waiting; its msgid. */
+static uint32_t send_small_forward(pb_client_t *c)
+{
+    static double m[48 * 48];
+    for (int i = 0; i < 48 * 48; i++)
+        m[i] = (i % 5) * 0.1;
+    msgpack_packer *pk = pb_client_begin(c, "forward");
+    msgpack_pack_map(pk, 2);
+    pb_pack_kv_str(pk, "op", "fused_dense");
+    pb_pack_str(pk, "inputs");
+    msgpack_pack_map(pk, 2);
+    pack_t(pk, "weight", m, 2, 48, 48);
+    pack_t(pk, "x", m, 2, 48, 48);
+    uint32_t id;
+    assert_int_equal(pb_client_send(c, &id), 0);
+    return id;
+}
+
+/* Wait for each of ids: answered, or refused naming the in-flight limit;
+ * the number refused. */
+static int answered(pb_client_t *c, const uint32_t *ids, int n)
+{
+    int refused = 0;
+    for (int i = 0; i < n; i++) {
+        pb_reply_t r;
+        assert_int_equal(pb_client_wait(c, ids[i], &r), 0);
+        if (r.error) {
+            assert_string_equal(pb_reply_code(&r), "resource_exhausted");
+            assert_int_equal(pb_obj_strcmp(pb_obj_get(r.error, "limit"), "max_inflight_per_connection"), 0);
+            refused++;
+        } else {
+            assert_non_null(pb_obj_path(r.result, "outputs.y"));
+        }
+        pb_reply_free(&r);
+    }
+    return refused;
+}
+
+/* A reload of the in-flight limit while requests are on the workers:
+ * every request is answered, taken or refused naming the limit, and past
+ * the reload the new limit holds. */
 static void reload_inflight(void **state)
 {
     (void)state;
@@ -754,35 +794,22 @@ static void reload_inflight(void **state)
     daemon_t d;
     assert_int_equal(start(&d, "inflight.sock", "--config", conf, NULL), 0);
     pb_client_t *c = conn(&d);
-    /* 48x48 by 48x48: about 221k flops, past what runs on the loop. */
-    static double m[48 * 48];
-    for (int i = 0; i < 48 * 48; i++)
-        m[i] = (i % 5) * 0.1;
     enum { N = 100 };
     uint32_t ids[N];
     for (int i = 0; i < N; i++) {
-        msgpack_packer *pk = pb_client_begin(c, "forward");
-        msgpack_pack_map(pk, 2);
-        pb_pack_kv_str(pk, "op", "fused_dense");
-        pb_pack_str(pk, "inputs");
-        msgpack_pack_map(pk, 2);
-        pack_t(pk, "weight", m, 2, 48, 48);
-        pack_t(pk, "x", m, 2, 48, 48);
-        assert_int_equal(pb_client_send(c, &ids[i]), 0);
+        ids[i] = send_small_forward(c);
         if (i == N / 2) {
             write_file(conf, "max-inflight-per-connection = 64\n");
             kill(d.pid, SIGHUP);
         }
     }
-    for (int i = 0; i < N; i++) {
-        pb_reply_t r;
-        assert_int_equal(pb_client_wait(c, ids[i], &r), 0);
-        assert_null(r.error);
-        assert_non_null(pb_obj_path(r.result, "outputs.y"));
-        pb_reply_free(&r);
-    }
+    answered(c, ids, N);
     assert_log(&d, "reload: max-inflight-per-connection 1 -> 64");
     assert_int_equal(hello_limit(c, "max_inflight_per_connection"), 64);
+    /* 64 at once fit the new limit. */
+    for (int i = 0; i < 64; i++)
+        ids[i] = send_small_forward(c);
+    assert_int_equal(answered(c, ids, 64), 0);
     pb_client_close(c);
     assert_int_equal(stop(&d), 0);
 }
