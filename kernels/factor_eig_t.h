@@ -105,11 +105,17 @@ static int FN(eig_finish)(T *D, T *V, int m)
 }
 
 /* dA (m×m, complex) += the pullback of A = V·diag(D)·V⁻¹ with unit-norm
- * columns.  The unit norm is undone first, G = ΔV − V·Re(diag(VᴴΔV)),
- * then with X = VᴴG:
+ * columns.  What moves V along itself goes first, G = ΔV − V·diag(VᴴΔV):
+ * the real part of that diagonal cannot move (the norm is fixed), and its
+ * imaginary part is the phase, the gauge: removed along V, the direction
+ * a phase moves V in, it is the part orthogonal to every gauge-invariant
+ * cotangent (Re Σ conj(V·iΘ)∘ΔV = 0 for those), as eigh and svd remove it.
+ * (Zeroing Im diag(VᴴΔV) instead removes it along V⁻ᴴ, which for a
+ * non-normal A let a pure phase cotangent change the gradient.)  Then
+ * with X = VᴴG:
  *   ΔA = V⁻ᴴ·(conj(F)∘X + diag(ΔD))·Vᴴ,  F_ij = 1/(D_j − D_i)
- * (F dropped below deg_atol, and on the diagonal).  *gauge: Im of X's
- * diagonal (the phase) and X inside degenerate blocks. */
+ * (F dropped below deg_atol, and on the diagonal).  *gauge: Im of
+ * diag(VᴴΔV) (the phase) and X inside degenerate blocks. */
 static int FN(eig_pullback)(const T *D, const T *V, int m, const T *dD, const T *dV, T *dA, double deg_atol,
                             double *gauge, pb_err_t *err)
 {
@@ -123,15 +129,16 @@ static int FN(eig_pullback)(const T *D, const T *V, int m, const T *dD, const T 
         goto out;
     if (dV) {
         FZ(gemm)('C', 'N', m, m, m, one, V, m, dV, m, zero, X, m);
-        for (int j = 0; j < m; j++)
+        for (int j = 0; j < m; j++) {
+            g = fmax(g, fabs(IM(E(X, m, j, j))));
             for (int i = 0; i < m; i++)
-                E(K, m, i, j) = dV[(size_t)j * m + i] - E(V, m, i, j) * RE(E(X, m, j, j));
+                E(K, m, i, j) = dV[(size_t)j * m + i] - E(V, m, i, j) * E(X, m, j, j);
+        }
         FZ(gemm)('C', 'N', m, m, m, one, V, m, K, m, zero, X, m);
         for (int j = 0; j < m; j++)
             for (int i = 0; i < m; i++) {
                 T gap = D[j] - D[i];
                 if (i == j) {
-                    g = fmax(g, fabs(IM(E(X, m, i, i))));
                     E(K, m, i, j) = 0;
                 } else if (ABS(gap) < deg_atol) {
                     g = fmax(g, ABS(E(X, m, i, j)));

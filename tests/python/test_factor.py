@@ -321,6 +321,37 @@ class FactorTest(DaemonCase):
         g = self.c.reverse(tape, {"S": np.ones(4)})["A"]
         self.assertEqual(g.shape, (6, 4))
 
+    def test_gauge_part_is_ignored(self):
+        """A cotangent plus a pure gauge direction (what a change of phases
+        moves the vectors along: V·iΘ for eig and eigh, U·iΘ with −iΘ·Vh
+        for svd) gives the gradient of the cotangent alone (contract: the
+        pullback uses only the gauge-invariant part); for eig of a
+        non-normal A too, whose V is not unitary."""
+        for op, dtype in (("eig_full", np.complex128), ("eig_full", np.float64), ("eig_full", np.complex64),
+                          ("eigh_full", np.complex128), ("svd_compact", np.complex128)):
+            A = self.herm(5, dtype) if op == "eigh_full" else self.rand((5, 5), dtype)
+            out, _ = self.c.augmented_forward(op, {"A": A}, wrt=["A"])
+            name = "U" if op == "svd_compact" else "V"
+            V = out[name].astype(np.complex128)
+            H = self.rand((5, 5), np.complex128)
+            w = self.rng.standard_normal(5)
+            theta = np.diag(1j * self.rng.standard_normal(5))
+            cdt = out[name].dtype
+            # the cotangent of L = Σ w_i Re(v_iᴴ H v_i), which no phase changes
+            base = {name: (((H + H.conj().T) @ V) * w).astype(cdt)}
+            gauged = {name: (base[name] + V @ theta).astype(cdt)}
+            if op == "svd_compact":
+                base["Vh"] = np.zeros_like(out["Vh"])
+                gauged["Vh"] = (-theta @ out["Vh"]).astype(cdt)
+            grads = []
+            for cot in (base, gauged):
+                _, tape = self.c.augmented_forward(op, {"A": A}, wrt=["A"])
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    grads.append(self.c.reverse(tape, cot)["A"].astype(np.complex128))
+            err = np.linalg.norm(grads[1] - grads[0]) / np.linalg.norm(grads[0])
+            self.assertLessEqual(err, 1e-10 if cdt == np.complex128 else 1e-4, f"{op} {np.dtype(dtype).name}")
+
     def test_errors(self):
         def code(op, A, options=None, **kw):
             with self.assertRaises(PullbackError) as e:
