@@ -1529,6 +1529,12 @@ static void test_send_encoding(void **state)
     assert_int_equal(pb_client_send_notify(c), -EINVAL);        /* wrong kind */
     assert_null(pb_client_begin(NULL, "hello"));
     assert_null(pb_client_begin(c, NULL));
+    /* What a NULL begin gives packs nothing, by every pb_pack_* helper
+     * (pb_pack_str and pb_pack_kv_str once dereferenced it). */
+    pb_pack_str(pb_client_begin(NULL, "hello"), "x");
+    pb_pack_kv_str(NULL, "k", "v");
+    pb_pack_tensor(NULL, &(pb_ctensor_t){.dtype = "f64", .rank = 0, .data = "12345678", .nbytes = 8});
+    pb_pack_into(NULL, NULL, 0);
 
     /* Msgids go up; raw bytes go out as they are. */
     pk = pb_client_begin(c, "hello");

@@ -1320,6 +1320,8 @@ static bool pack_len_ok(msgpack_packer *pk, size_t n)
 
 void pb_pack_str(msgpack_packer *pk, const char *s)
 {
+    if (pk == NULL) /* what pb_client_begin() gives for a NULL client */
+        return;
     if (s == NULL) {
         msgpack_pack_nil(pk);
         return;

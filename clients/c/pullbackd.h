@@ -298,7 +298,9 @@ PB_CLIENT_API int pb_ctensor_copy_f32(const pb_ctensor_t *t, float *out, size_t 
 /* ---- Packing helpers --------------------------------------------------- */
 
 /* A msgpack str holding s (NULL packs nil).  A string of 4 GiB or more is
- * refused as pb_pack_tensor() refuses such data. */
+ * refused as pb_pack_tensor() refuses such data.  A NULL pk (what
+ * pb_client_begin() gives for a NULL client) packs nothing, here and in
+ * pb_pack_kv_str(), pb_pack_tensor() and pb_pack_into(). */
 PB_CLIENT_API void pb_pack_str(msgpack_packer *pk, const char *s);
 /* One map entry: key and val as str. */
 PB_CLIENT_API void pb_pack_kv_str(msgpack_packer *pk, const char *key, const char *val);
