@@ -89,7 +89,48 @@ class Usage(unittest.TestCase):
             rc, out, err = ctl(*args)
             self.assertEqual(rc, 2, f"{args}: {err}")
             self.assertEqual(out, "", args)
-            self.assertIn("pullbackctl", err)
+            self.assertTrue(err.startswith("pullbackctl: "), f"{args}: {err}")  # getopt's too, not argv[0]
+        # Past the cap the message names the cap, not "a positive number".
+        rc, _, err = ctl("status", "--timeout", "31536001")
+        self.assertEqual(rc, 2)
+        self.assertIn("at most 31536000", err)
+
+    def test_output_not_written(self):
+        for args in (["--help"], ["--version"], ["help"]):
+            with open("/dev/full", "w") as full:
+                p = subprocess.run([CTL, *args], stdout=full, stderr=subprocess.PIPE, text=True, env=CLEAN_ENV)
+            self.assertEqual(p.returncode, 5, args)
+            self.assertIn("writing the output", p.stderr)
+
+    def test_connect_timeout(self):
+        """A daemon that does not accept (stopped; its backlog full) gives
+        up within --timeout, exit 5: a health check must not hang."""
+        d = tempfile.mkdtemp(prefix="pbctl")
+        lis = socket.socket(socket.AF_UNIX)
+        waiting = []
+        try:
+            path = os.path.join(d, "full.sock")
+            lis.bind(path)
+            lis.listen(0)
+            for _ in range(3):
+                w = socket.socket(socket.AF_UNIX)
+                w.setblocking(False)
+                w.connect_ex(path)
+                waiting.append(w)
+            for json_out in (False, True):
+                t0 = time.monotonic()
+                rc, out, err = ctl("--socket", path, "-t", "0.5", "ping", "-c", "1", *(["--json"] if json_out else []),
+                                   timeout=20)
+                self.assertEqual(rc, 5, err)
+                self.assertLess(time.monotonic() - t0, 5)
+                self.assertIn("not accepted within 0.5 s", err)
+                if json_out:
+                    self.assertEqual(json.loads(out)["error"]["code"], "timed_out")
+        finally:
+            for w in waiting:
+                w.close()
+            lis.close()
+            shutil.rmtree(d)
 
     def test_no_daemon(self):
         d = tempfile.mkdtemp(prefix="pbctl")
@@ -101,6 +142,12 @@ class Usage(unittest.TestCase):
                 self.assertIn(path, err)
             # Through the environment chain too.
             self.assertEqual(ctl("status", env={"PULLBACKD_SOCKET": path})[0], 3)
+            # --json: one object on stdout for this failure too.
+            rc, out, err = ctl("--socket", path, "--json", "tapes")
+            self.assertEqual(rc, 3)
+            e = json.loads(out)["error"]
+            self.assertEqual(e["code"], "cannot_connect")
+            self.assertIn(path, e["message"])
             # A socket file with nobody listening (a daemon that died).
             s = socket.socket(socket.AF_UNIX)
             s.bind(path)
@@ -202,6 +249,10 @@ class Running(DaemonCase):
         self.assertEqual(rc, 0, err)
         self.assertEqual(out.count("hello seq="), 2)
         self.assertIn("min/avg/max", out)
+        self.assertIn("--- 2 of 2 hellos answered", out)
+        # A timeout past 2^31 ms (it once overflowed an int) waits as asked.
+        self.assertEqual(ctl("--socket", self.path, "-t", "3000000", "ping", "-c", "1")[0], 0)
+        self.assertEqual(self.run_json("ping", "-c", "1", "-t", "31536000")["sent"], 1)
 
     def test_metrics(self):
         with pullbackd.Client(self.path) as c:
@@ -703,7 +754,16 @@ class Misbehaving(unittest.TestCase):
 
     def test_lost_and_timeout(self):
         self.check("close", ["status"], 5, "closed the connection")
-        self.check("silent", ["ping", "--timeout", "0.3"], 5, "no answer within 0.3 s")
+        out = self.check("silent", ["ping", "-c", "2", "--timeout", "0.3"], 5, "no answer within 0.3 s")
+        # One hello went out and none came back: no invented times.
+        self.assertIn("--- 0 of 1 hellos answered\n", out)
+        self.assertNotIn("rtt", out)
+        out = self.check("silent", ["ping", "-c", "2", "--timeout", "0.3", "--json"], 5, "no answer")
+        got = json.loads(out)
+        self.assertEqual((got["sent"], got["count"], got["rtt_ms"], got["error"]["code"]), (1, 0, [], "timed_out"))
+        self.assertNotIn("min_ms", got)
+        out = self.check("close", ["status", "--json"], 5, "closed the connection")
+        self.assertEqual(json.loads(out)["error"]["code"], "connection_lost")
         self.check("garbage", ["tapes"], 5, "pullbackctl")
 
 

@@ -16,13 +16,18 @@
  * process cannot see them (another pid namespace, a hidepid /proc). */
 #define _GNU_SOURCE /* struct ucred */
 #include <errno.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
+#include <limits.h>
 #include <math.h>
+#include <poll.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -61,11 +66,14 @@ static const char usage_text[] =
     "  -s, --socket PATH    the daemon's socket (default: $PULLBACKD_SOCKET,\n"
     "                       $RUNTIME_DIRECTORY/pullbackd.sock (first entry of a ':' list),\n"
     "                       $XDG_RUNTIME_DIR/pullbackd.sock, /tmp/pullbackd-$UID.sock)\n"
-    "  -j, --json           print one JSON object on stdout instead of text; on an\n"
-    "                       error from the daemon: {\"error\": {\"code\", \"message\", ...}}\n"
-    "  -t, --timeout S      give up on any answer after S seconds (default 10)\n"
+    "  -j, --json           print one JSON object on stdout instead of text; on a\n"
+    "                       failure: {\"error\": {\"code\", \"message\", ...}}, code being the\n"
+    "                       daemon's, or cannot_connect, permission_denied, timed_out,\n"
+    "                       connection_lost, bad_answer (ping: its figures, and \"error\")\n"
+    "  -t, --timeout S      give up on connecting or on any answer after S seconds\n"
+    "                       (default 10, at most 31536000: a year)\n"
     "  -c, --count N        ping: send N hellos (default 4)\n"
-    "  -i, --interval S     ping: wait S seconds between hellos (default 0)\n"
+    "  -i, --interval S     ping: wait S seconds between hellos (default 0, at most a year)\n"
     "  -w, --wait           shutdown: wait (up to --timeout) until the daemon has exited\n"
     "  -h, --help           print this help and exit\n"
     "  -V, --version        print pullbackctl's version and exit\n"
@@ -75,9 +83,10 @@ static const char usage_text[] =
     "  1  the daemon answered with an error (its code and message are printed)\n"
     "  2  usage error: unknown command or option, bad value\n"
     "  3  cannot connect: no daemon listening on the socket (ENOENT, ECONNREFUSED)\n"
-    "  4  permission denied: by the socket's file mode, or by the daemon\n"
-    "     (drain and shutdown need uid 0 or the daemon's own uid)\n"
-    "  5  the connection was lost, an answer timed out, or made no sense\n"
+    "  4  permission denied: by the socket's file mode or a directory on its path,\n"
+    "     or by the daemon (drain and shutdown need uid 0 or the daemon's own uid)\n"
+    "  5  the connection was lost, connecting or an answer timed out, an answer made\n"
+    "     no sense, or the output could not be written\n"
     "\n"
     "Examples:\n"
     "  pullbackctl status\n"
@@ -93,12 +102,15 @@ typedef struct ctl {
     const char *path;      /* resolved socket path */
     char path_buf[256];
     bool json;
-    int timeout_ms;
+    int64_t timeout_ms;
     long count;
     double interval_s;
     bool wait;
     pb_client_t *c;
     pid_t daemon_pid;      /* 0 when unknown */
+    bool keep_error;       /* ping: a failure goes into its JSON, not one of its own */
+    char err_code[32];     /* the failure kept, for ping's JSON */
+    char err_msg[512];
 } ctl_t;
 
 static uint64_t now_ns(void)
@@ -198,19 +210,126 @@ static bool proc_gone(pid_t pid)
 
 /* ---- talking to the daemon ------------------------------------------------- */
 
+/* Milliseconds left until deadline (ns), for a timeout in int. */
+static int ms_left(uint64_t deadline)
+{
+    uint64_t now = now_ns();
+    if (now >= deadline)
+        return 0;
+    uint64_t ms = (deadline - now + 999999) / 1000000;
+    return ms > INT_MAX ? INT_MAX : (int)ms;
+}
+
+static uint64_t deadline_in(const ctl_t *x)
+{
+    return now_ns() + (uint64_t)x->timeout_ms * 1000000u;
+}
+
+/* "error": {"code", "message"} of the failure kept in x, into j. */
+static void json_error(pb_json_obj_t *j, const ctl_t *x)
+{
+    pb_json_obj_t e;
+    pb__json_key(j, "error");
+    pb__json_open(&e, stdout);
+    pb__json_key(&e, "code");
+    pb__json_string(stdout, x->err_code, strlen(x->err_code));
+    pb__json_key(&e, "message");
+    pb__json_string(stdout, x->err_msg, strlen(x->err_msg));
+    pb__json_close(&e);
+}
+
+/* A failure on this side: "pullbackctl: <message>" on stderr and, with
+ * --json, {"error": {"code", "message"}} on stdout (kept for ping's own
+ * object instead while x->keep_error); returns status. */
+__attribute__((format(printf, 4, 5))) static int ctl_fail(ctl_t *x, int status, const char *code, const char *fmt,
+                                                          ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(x->err_msg, sizeof x->err_msg, fmt, ap);
+    va_end(ap);
+    snprintf(x->err_code, sizeof x->err_code, "%s", code);
+    fprintf(stderr, "pullbackctl: %s\n", x->err_msg);
+    if (x->json && !x->keep_error) {
+        pb_json_obj_t j;
+        pb__json_open(&j, stdout);
+        json_error(&j, x);
+        pb__json_close(&j);
+        fputc('\n', stdout);
+    }
+    return status;
+}
+
+/* Connect to path within timeout_ms: a daemon that does not accept (stopped,
+ * its backlog full) must not hang a health check, so the socket is
+ * non-blocking until connected.  A full backlog is EAGAIN for a Unix
+ * socket, tried again every few ms.  The fd (blocking again), or -errno;
+ * -ETIMEDOUT past the time. */
+static int connect_within(const char *path, int64_t timeout_ms)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    size_t n = strlen(path);
+    if (n >= sizeof sa.sun_path)
+        return -ENAMETOOLONG;
+    memcpy(sa.sun_path, path, n + 1);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        return -errno;
+    uint64_t deadline = now_ns() + (uint64_t)timeout_ms * 1000000u;
+    int e = 0;
+    while (connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0) {
+        e = errno;
+        if (e == EINTR)
+            continue;
+        if (e == EAGAIN && now_ns() < deadline) {
+            sleep_s(0.005);
+            continue;
+        }
+        if (e == EINPROGRESS) {
+            struct pollfd p = {.fd = fd, .events = POLLOUT};
+            int r;
+            while ((r = poll(&p, 1, ms_left(deadline))) < 0 && errno == EINTR)
+                ;
+            socklen_t len = sizeof e;
+            if (r == 0)
+                e = ETIMEDOUT;
+            else if (r < 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &e, &len) != 0)
+                e = errno;
+        }
+        break;
+    }
+    if (e == EAGAIN)
+        e = ETIMEDOUT;
+    if (e != 0 && e != EISCONN) {
+        close(fd);
+        return -e;
+    }
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
+        e = errno;
+        close(fd);
+        return -e;
+    }
+    return fd;
+}
+
 static int ctl_connect(ctl_t *x)
 {
-    int rc = pb_client_connect(x->path, &x->c);
-    if (rc == -EACCES || rc == -EPERM) {
-        fprintf(stderr, "pullbackctl: %s: permission denied (the socket's mode or group does not admit uid %u)\n",
-                x->path, (unsigned)getuid());
-        return CTL_DENIED;
-    }
-    if (rc < 0) {
-        fprintf(stderr, "pullbackctl: cannot connect to pullbackd at %s: %s%s\n", x->path, strerror(-rc),
-                rc == -ENOENT || rc == -ECONNREFUSED ? " (is the daemon running?)" : "");
-        return CTL_CONNECT;
-    }
+    int fd = connect_within(x->path, x->timeout_ms);
+    if (fd == -EACCES || fd == -EPERM)
+        return ctl_fail(x, CTL_DENIED, "permission_denied",
+                        "%s: permission denied (the socket's mode or group, or a directory on its path, does not "
+                        "admit uid %u)",
+                        x->path, (unsigned)getuid());
+    if (fd == -ETIMEDOUT)
+        return ctl_fail(x, CTL_TRANSPORT, "timed_out",
+                        "cannot connect to pullbackd at %s: not accepted within %.3g s (is the daemon stopped or "
+                        "overloaded?)",
+                        x->path, (double)x->timeout_ms / 1000.0);
+    int rc = fd < 0 ? fd : pb_client_from_fd(fd, &x->c);
+    if (rc < 0)
+        return ctl_fail(x, CTL_CONNECT, "cannot_connect", "cannot connect to pullbackd at %s: %s%s", x->path,
+                        strerror(-rc), rc == -ENOENT || rc == -ECONNREFUSED ? " (is the daemon running?)" : "");
     struct ucred cr;
     socklen_t len = sizeof cr;
     if (getsockopt(pb_client_fd(x->c), SOL_SOCKET, SO_PEERCRED, &cr, &len) == 0 && cr.pid > 0)
@@ -220,11 +339,13 @@ static int ctl_connect(ctl_t *x)
 
 /* Report an error reply (stderr; and stdout as {"error": ...} with --json)
  * and turn it into an exit status. */
-static int ctl_error_reply(const ctl_t *x, const char *method, const pb_reply_t *r)
+static int ctl_error_reply(ctl_t *x, const char *method, const pb_reply_t *r)
 {
     const char *code = pb_reply_code(r);
     fprintf(stderr, "pullbackctl: %s: %s: %s\n", method, code, pb_reply_message(r));
-    if (x->json) {
+    snprintf(x->err_code, sizeof x->err_code, "%s", code);
+    snprintf(x->err_msg, sizeof x->err_msg, "%s: %s", method, pb_reply_message(r));
+    if (x->json && !x->keep_error) {
         pb_json_obj_t j;
         pb__json_open(&j, stdout);
         pb__json_key(&j, "error");
@@ -249,35 +370,29 @@ static int ctl_call(ctl_t *x, const char *method, pb_reply_t *r)
      * have said why under msgid 0 first: that is the answer to report. */
     if (rc == -EPIPE)
         rc = 0;
-    uint64_t deadline = now_ns() + (uint64_t)x->timeout_ms * 1000000u;
+    uint64_t deadline = deadline_in(x);
     while (rc == 0) {
-        uint64_t now = now_ns();
-        int left = now >= deadline ? 0 : (int)((deadline - now + 999999) / 1000000);
-        rc = pb_client_recv_timeout(x->c, r, left);
+        rc = pb_client_recv_timeout(x->c, r, ms_left(deadline));
         if (rc < 0)
             break;
         if ((sent && r->msgid == id) || (r->msgid == 0 && r->error != NULL))
             break;
         pb_reply_free(r); /* not ours: nothing else was sent on this connection */
     }
-    if (rc == -ETIMEDOUT) {
-        fprintf(stderr, "pullbackctl: %s: no answer within %.3g s\n", method, x->timeout_ms / 1000.0);
-        return CTL_TRANSPORT;
-    }
-    if (rc < 0) {
-        fprintf(stderr, "pullbackctl: %s: %s%s\n", method, strerror(-rc),
-                rc == -EPIPE ? " (the daemon closed the connection)" : "");
-        return CTL_TRANSPORT;
-    }
+    if (rc == -ETIMEDOUT)
+        return ctl_fail(x, CTL_TRANSPORT, "timed_out", "%s: no answer within %.3g s", method,
+                        (double)x->timeout_ms / 1000.0);
+    if (rc < 0)
+        return ctl_fail(x, CTL_TRANSPORT, "connection_lost", "%s: %s%s", method, strerror(-rc),
+                        rc == -EPIPE ? " (the daemon closed the connection)" : "");
     if (r->error != NULL) {
         int st = ctl_error_reply(x, method, r);
         pb_reply_free(r);
         return st;
     }
     if (r->result == NULL || r->result->type != MSGPACK_OBJECT_MAP) {
-        fprintf(stderr, "pullbackctl: %s: the result is not a map\n", method);
         pb_reply_free(r);
-        return CTL_TRANSPORT;
+        return ctl_fail(x, CTL_TRANSPORT, "bad_answer", "%s: the result is not a map", method);
     }
     return CTL_OK;
 }
@@ -449,10 +564,9 @@ static int cmd_tapes(ctl_t *x)
     uint64_t v[4];
     for (int i = 0; i < 4; i++) {
         if (!get_u64(st.result, keys[i], &v[i])) {
-            fprintf(stderr, "pullbackctl: stats: no uint '%s' in the daemon's answer\n", keys[i]);
             pb_reply_free(&hello);
             pb_reply_free(&st);
-            return CTL_TRANSPORT;
+            return ctl_fail(x, CTL_TRANSPORT, "bad_answer", "stats: no uint '%s' in the daemon's answer", keys[i]);
         }
     }
     uint64_t lim_all = 0, lim_uid = 0;
@@ -501,9 +615,8 @@ static int cmd_metrics(ctl_t *x)
         return rc;
     const msgpack_object *text = pb_obj_get(m.result, "text");
     if (text == NULL || text->type != MSGPACK_OBJECT_STR) {
-        fprintf(stderr, "pullbackctl: metrics: no str 'text' in the daemon's answer\n");
         pb_reply_free(&m);
-        return CTL_TRANSPORT;
+        return ctl_fail(x, CTL_TRANSPORT, "bad_answer", "metrics: no str 'text' in the daemon's answer");
     }
     if (x->json) {
         pb_json_obj_t j;
@@ -530,12 +643,14 @@ static int cmd_ping(ctl_t *x, double connect_ms)
     int rc = CTL_OK;
     char version[64] = "?";
     uint64_t proto = 0;
-    long done = 0;
+    long done = 0, sent = 0;
+    x->keep_error = true; /* one JSON object: the figures, and the failure in it */
     for (long i = 0; i < x->count; i++) {
         if (i > 0)
             sleep_s(x->interval_s);
         pb_reply_t r;
         uint64_t t0 = now_ns();
+        sent++;
         if ((rc = ctl_call(x, "hello", &r)))
             break;
         rtt[i] = (double)(now_ns() - t0) / 1e6;
@@ -562,11 +677,11 @@ static int cmd_ping(ctl_t *x, double connect_ms)
         sum += rtt[i];
     }
     double avg = done ? sum / (double)done : 0;
-    if (done == 0)
-        mn = 0;
-    if (x->json && rc == CTL_OK) {
+    if (x->json) {
         pb_json_obj_t j;
         json_head(&j, x);
+        pb__json_key(&j, "sent");
+        printf("%ld", sent);
         pb__json_key(&j, "version");
         pb__json_string(stdout, version, strlen(version));
         pb__json_key(&j, "protocol");
@@ -583,16 +698,22 @@ static int cmd_ping(ctl_t *x, double connect_ms)
             pb__json_double(stdout, rtt[i]);
         }
         fputc(']', stdout);
-        pb__json_key(&j, "min_ms");
-        pb__json_double(stdout, mn);
-        pb__json_key(&j, "avg_ms");
-        pb__json_double(stdout, avg);
-        pb__json_key(&j, "max_ms");
-        pb__json_double(stdout, mx);
+        if (done > 0) { /* no figures for none */
+            pb__json_key(&j, "min_ms");
+            pb__json_double(stdout, mn);
+            pb__json_key(&j, "avg_ms");
+            pb__json_double(stdout, avg);
+            pb__json_key(&j, "max_ms");
+            pb__json_double(stdout, mx);
+        }
+        if (rc != CTL_OK)
+            json_error(&j, x);
         pb__json_close(&j);
         fputc('\n', stdout);
-    } else if (!x->json) {
-        printf("--- %ld of %ld hellos answered, rtt min/avg/max = %.3f/%.3f/%.3f ms\n", done, x->count, mn, avg, mx);
+    } else if (done > 0) {
+        printf("--- %ld of %ld hellos answered, rtt min/avg/max = %.3f/%.3f/%.3f ms\n", done, sent, mn, avg, mx);
+    } else {
+        printf("--- 0 of %ld hellos answered\n", sent);
     }
     free(rtt);
     return rc;
@@ -614,10 +735,8 @@ static int cmd_admin(ctl_t *x, const char *method)
          * then exits: wait for the close, then for the process. */
         uint64_t deadline = t0 + (uint64_t)x->timeout_ms * 1000000u;
         for (;;) {
-            uint64_t now = now_ns();
-            int left = now >= deadline ? 0 : (int)((deadline - now) / 1000000);
             pb_reply_t extra;
-            int e = pb_client_recv_timeout(x->c, &extra, left);
+            int e = pb_client_recv_timeout(x->c, &extra, ms_left(deadline));
             if (e == 0) {
                 pb_reply_free(&extra);
                 continue;
@@ -657,7 +776,8 @@ static int cmd_admin(ctl_t *x, const char *method)
     }
     pb_reply_free(&r);
     if (shutdown && x->wait && !stopped) {
-        fprintf(stderr, "pullbackctl: shutdown: the daemon did not exit within %.3g s\n", x->timeout_ms / 1000.0);
+        fprintf(stderr, "pullbackctl: shutdown: the daemon did not exit within %.3g s\n",
+                (double)x->timeout_ms / 1000.0);
         return CTL_TRANSPORT;
     }
     return CTL_OK;
@@ -684,9 +804,22 @@ static bool parse_seconds(const char *s, double *out)
     return true;
 }
 
+/* rc, or CTL_TRANSPORT when stdout could not be written (said on stderr). */
+static int flushed(int rc)
+{
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        fprintf(stderr, "pullbackctl: writing the output: %s\n", strerror(errno));
+        if (rc == CTL_OK)
+            rc = CTL_TRANSPORT;
+    }
+    return rc;
+}
+
 int main(int argc, char **argv)
 {
     ctl_t x = {.timeout_ms = 10000, .count = 4};
+    if (argc > 0)
+        argv[0] = (char *)"pullbackctl"; /* getopt's messages name the tool as ours do */
     bool count_given = false, interval_given = false;
     static const struct option opts[] = {
         {"socket", required_argument, NULL, 's'},  {"json", no_argument, NULL, 'j'},
@@ -710,8 +843,9 @@ int main(int argc, char **argv)
             break;
         case 't':
             if (!parse_seconds(optarg, &secs) || secs <= 0)
-                return usage_error("--timeout: expected a positive number of seconds, got '%s'", optarg);
-            x.timeout_ms = (int)ceil(secs * 1000);
+                return usage_error("--timeout: expected seconds above 0 and at most 31536000 (a year), got '%s'",
+                                   optarg);
+            x.timeout_ms = (int64_t)ceil(secs * 1000);
             break;
         case 'c':
             errno = 0;
@@ -722,7 +856,7 @@ int main(int argc, char **argv)
             break;
         case 'i':
             if (!parse_seconds(optarg, &x.interval_s))
-                return usage_error("--interval: expected seconds >= 0, got '%s'", optarg);
+                return usage_error("--interval: expected seconds from 0 to 31536000 (a year), got '%s'", optarg);
             interval_given = true;
             break;
         case 'w':
@@ -730,10 +864,10 @@ int main(int argc, char **argv)
             break;
         case 'h':
             fputs(usage_text, stdout);
-            return CTL_OK;
+            return flushed(CTL_OK);
         case 'V':
             printf("pullbackctl %s\n", PB_VERSION);
-            return CTL_OK;
+            return flushed(CTL_OK);
         default:
             /* getopt_long has said what was wrong. */
             fputs("Try 'pullbackctl --help'.\n", stderr);
@@ -753,7 +887,7 @@ int main(int argc, char **argv)
         return usage_error("unknown command '%s' (status, tapes, metrics, ping, drain, shutdown)", cmd);
     if (strcmp(cmd, "help") == 0) {
         fputs(usage_text, stdout);
-        return CTL_OK;
+        return flushed(CTL_OK);
     }
     if ((count_given || interval_given) && strcmp(cmd, "ping") != 0)
         return usage_error("--count and --interval are for ping, not %s", cmd);
@@ -785,10 +919,5 @@ int main(int argc, char **argv)
     else
         rc = cmd_admin(&x, cmd);
     pb_client_close(x.c);
-    if (fflush(stdout) != 0 || ferror(stdout)) {
-        fprintf(stderr, "pullbackctl: writing the output: %s\n", strerror(errno));
-        if (rc == CTL_OK)
-            rc = CTL_TRANSPORT;
-    }
-    return rc;
+    return flushed(rc);
 }
