@@ -370,6 +370,28 @@ class OnceDifferentiableTest(TorchCase):
         got = functorch.vmap(lambda s: pt.fused_dense(W, xs[0]).sum() * s)(torch.ones(2, dtype=torch.float64))
         self.assertEqual(got.shape, (2,))
 
+    def test_batched_gradients_raise(self):
+        """A batch of incoming gradients (is_grads_batched, a vectorized
+        jacobian) is refused with what to use instead, not torch's error
+        about a batching rule for detach; unbatched, the same works."""
+        A = rand(4, 3)
+        eye = torch.eye(3, dtype=torch.float64)
+        with self.assertRaisesRegex(RuntimeError, "one gradient at a time"):
+            torch.autograd.grad(pt.svd_vals(A), A, eye, is_grads_batched=True)
+        with self.assertRaisesRegex(RuntimeError, "vectorize=False"):
+            torch.autograd.functional.jacobian(pt.svd_vals, A.detach(), vectorize=True)
+        J = torch.autograd.functional.jacobian(pt.svd_vals, A.detach())
+        self.assertEqual(J.shape, (3, 4, 3))
+        with self.assertRaisesRegex(RuntimeError, "jvp"):
+            torch.autograd.functional.jvp(pt.svd_vals, A.detach(), torch.ones_like(A))
+
+    def test_layouts_and_clients_are_checked(self):
+        for t in (torch.eye(3, dtype=torch.float64).to_sparse(), torch.eye(3, dtype=torch.float64).to_sparse_csr()):
+            with self.assertRaisesRegex(TypeError, "input 'A' has layout .*to_dense"):
+                pt.svd_compact(t)
+        with self.assertRaisesRegex(TypeError, "client must be a pullbackd.Client, not int"):
+            pt.svd_compact(torch.eye(3, dtype=torch.float64), client=5)
+
     def test_ttl_s_in_the_conveniences(self):
         W, x = rand(2, 3), rand(3, 4, grad=False)
         y = pt.fused_dense(W, x, ttl_s=0.05)

@@ -35,10 +35,12 @@ The rules are differentiable once: a backward with ``create_graph=True``
 (a gradient penalty, ``torch.autograd.functional.hessian``) gives
 gradients that raise when differentiated again, and forward-mode AD
 (``torch.autograd.forward_ad``, jvp) raises at the call, and so do
-functorch's transforms (vmap, grad, jacrev).
+functorch's transforms (vmap, grad, jacrev) and a batch of incoming
+gradients (``is_grads_batched=True``, ``jacobian(vectorize=True)``).
 """
 
 import os
+import re
 import threading
 
 import numpy as np
@@ -108,6 +110,9 @@ def _to_numpy(name, t):
         return t
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"input {name!r} must be a torch.Tensor, not {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise TypeError(f"input {name!r} has layout {t.layout}: pullbackd.torch takes dense tensors "
+                        "(.to_dense() makes one)")
     if t.device.type != "cpu":
         raise ValueError(f"input {name!r} is on {t.device}: pullbackd.torch takes CPU tensors only")
     if t.dtype not in _TORCH_DTYPES:
@@ -179,7 +184,8 @@ except (ImportError, AttributeError):  # not in this torch: a second derivative 
     _DelayedError = None
 
 _TWICE = ("pullbackd's rules are differentiable once: a second derivative through pullbackd.torch "
-          "(create_graph=True: a gradient penalty, a Hessian) is not supported")
+          "(create_graph=True: a gradient penalty, a Hessian; torch.autograd.functional.jvp, which "
+          "differentiates a backward) is not supported")
 
 
 def _once_differentiable(backward):
@@ -223,16 +229,39 @@ def _no_tangents(tensors):
                                "rules only (no jvp)")
 
 
+def _transformed(t):
+    """Whether t is a tensor of a batching or functorch transform: a
+    wrapper without storage of its own, which the wire cannot send.
+    functorch's (vmap, grad, jacrev) say so themselves; the batches of
+    torch.autograd's own vmap (is_grads_batched, jacobian(vectorize=True)
+    in torch 1.13) carry the Batched dispatch key."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+    if wrapped is not None and wrapped(t):
+        return True
+    keys = getattr(torch._C, "_dispatch_keys", None)
+    return keys is not None and "Batched" in re.findall(r"\w+", str(keys(t)))
+
+
+def _no_batched_grads(grads):
+    """A batch of incoming gradients (torch.autograd.grad with
+    is_grads_batched=True, jacobian(vectorize=True), gradcheck's
+    check_batched_grad): refuse it with what to use instead (it failed
+    inside torch, "Batching rule not implemented for aten::detach")."""
+    if any(_transformed(g) for g in grads):
+        raise RuntimeError("pullbackd.torch's backward takes one gradient at a time, not a batch of them: "
+                           "use torch.autograd.grad without is_grads_batched (a loop over the batch), "
+                           "jacobian(vectorize=False), gradcheck(check_batched_grad=False)")
+
+
 def _no_functorch(tensors):
     """functorch's transforms (vmap, grad, jacrev ...) hand an op wrapped
     tensors without storage of their own, which the wire cannot send (the
     error was "Cannot access data pointer of Tensor that doesn't have
     storage"): refuse them with what to use instead."""
-    wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
-    if wrapped is None:
-        return
     for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and wrapped(t):
+        if _transformed(t):
             raise RuntimeError(f"input {name!r} is a tensor of a functorch transform (vmap, grad, jacrev ...): "
                                "pullbackd.torch runs on plain tensors; take gradients with torch.autograd "
                                "(backward, torch.autograd.grad, gradcheck) and batch with a loop or the op's "
@@ -264,6 +293,7 @@ class _DaemonOp(torch.autograd.Function):
     @_once_differentiable
     def backward(ctx, *grads):
         ctx.saved_tensors  # raises PyTorch's own error if the graph was freed
+        _no_batched_grads(grads)
         spec, tape = ctx.spec, ctx.tape
         cot = {n: _to_numpy(n, g) for n, g in zip(spec.out_names, grads) if g is not None}
         if not cot:
@@ -297,6 +327,8 @@ def call(op, inputs, options=None, client=None, *, ttl_s=None):
     default_client(). ``ttl_s`` bounds how long the tape waits unused
     (the daemon's default is 600 s).
     """
+    if client is not None and not isinstance(client, _pb.Client):
+        raise TypeError(f"client must be a pullbackd.Client, not {type(client).__name__}")
     client = client or default_client()
     inputs = {k: v for k, v in inputs.items() if v is not None}
     options = {k: v for k, v in (options or {}).items() if v is not None}
