@@ -277,6 +277,9 @@ void pb_conn_request_done(pb_conn_t *c, size_t reserved);
 /* Memory came back to the system (offloop.h's unmapping done): starved
  * connections read again if the caps allow. */
 void pb_conns_memory_back(pb_conns_t *s);
+/* The buffering caps changed (a reload): over a lower one, decide now
+ * whom to wait for and whom to close, not at the next request's end. */
+void pb_conns_caps_changed(pb_conns_t *s);
 
 /* The accessors the layers above use instead of the fields. */
 static inline size_t pb_conns_count(const pb_conns_t *s) { return s->count; }

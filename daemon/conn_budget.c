@@ -169,6 +169,12 @@ void pb_conns_memory_back(pb_conns_t *s)
     wake(s);
 }
 
+void pb_conns_caps_changed(pb_conns_t *s)
+{
+    if (s->nstarved > 0 || over_a_cap(s))
+        uv_idle_start(&s->decide, on_decide);
+}
+
 /* A connection's uid entry lives while the connection does (members), and
  * a request in flight holds a reference to its connection. */
 void pb__conns_request_begin(pb_conns_t *s, const pb_conn_t *c)
@@ -222,8 +228,11 @@ bool pb__conn_may_grow(const pb_conn_t *c, size_t more)
  * windows ago: connections that keep coming cannot hold the decision off. */
 static bool still_moving(pb_conn_t *x, uint64_t since, uint64_t now)
 {
+    /* Replies still being computed count: a burst of requests whose
+     * first reply went almost whole into the socket leaves little queued
+     * and much reserved, and its client, reading, was closed at once. */
     bool big = (x->len > x->start && x->cap - x->start >= PB_CONN_STALL_BYTES) ||
-               x->pending_write >= PB_CONN_STALL_BYTES;
+               x->pending_write + x->reserved >= PB_CONN_STALL_BYTES;
     if (!big)
         return false;
     uint64_t done = x->rx + x->tx - uv_stream_get_write_queue_size((uv_stream_t *)&x->pipe);
