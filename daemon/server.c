@@ -268,12 +268,15 @@ int pb_server_init(pb_server_t *s, uv_loop_t *loop, const pb_config_t *cfg, int 
 /* Is a daemon answering on path?  Refuse to take its socket if so. */
 static bool socket_alive(const char *path)
 {
-    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    /* Non-blocking: a live daemon that is stopped with its backlog full
+     * makes a blocking connect wait for good (and the start with it);
+     * EAGAIN says someone listens. */
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0)
         return false;
     struct sockaddr_un a = {.sun_family = AF_UNIX};
     snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
-    bool alive = connect(fd, (struct sockaddr *)&a, sizeof a) == 0 || errno == EAGAIN;
+    bool alive = connect(fd, (struct sockaddr *)&a, sizeof a) == 0 || errno == EAGAIN || errno == EINPROGRESS;
     close(fd);
     return alive;
 }
@@ -389,6 +392,11 @@ int pb_server_listen(pb_server_t *s)
         uv_close((uv_handle_t *)&s->listener, NULL);
         return pb_err_from_sys(rc);
     }
+    if (stat(path, &st) == 0) { /* the file close_listener may remove */
+        s->sock_dev = st.st_dev;
+        s->sock_ino = st.st_ino;
+        s->sock_ctime = st.st_ctim;
+    }
     s->listening = true;
     ready(s);
     return 0;
@@ -399,10 +407,21 @@ static void close_listener(pb_server_t *s)
 {
     if (!s->listening)
         return;
+    /* Only the file this daemon made: once removed (an operator, a tmp
+     * cleaner), the path may be another live daemon's.  libuv removes a
+     * bound pipe's path itself when it closes it (uv__pipe_close, for the
+     * pipe_fname it keeps): the name is taken from it first, and freed
+     * here (libuv allocates it with malloc; no allocator is replaced). */
+    char *fname = (char *)s->listener.pipe_fname;
+    s->listener.pipe_fname = NULL;
     uv_close((uv_handle_t *)&s->listener, NULL);
     s->listening = false;
-    if (!s->activated)
+    struct stat st;
+    if (!s->activated && stat(s->cfg.socket_path, &st) == 0 && st.st_dev == s->sock_dev &&
+        st.st_ino == s->sock_ino && st.st_ctim.tv_sec == s->sock_ctime.tv_sec &&
+        st.st_ctim.tv_nsec == s->sock_ctime.tv_nsec) /* a freed inode number comes back soon on some filesystems */
         unlink(s->cfg.socket_path);
+    free(fname);
 }
 
 typedef struct reload_ctx {
@@ -452,7 +471,9 @@ void pb_server_reload(pb_server_t *s)
            n.config_file[0] ? n.config_file : "(no config file)", ctx.applied, ctx.refused);
     /* A changed in-flight or queued-bytes limit needs no wake-up: a
      * connection paused by the old one has a request in flight or a write
-     * queued, whose end re-checks the limit. */
+     * queued, whose end re-checks the limit.  A lower buffering cap may
+     * already be passed by what connections hold: decided now. */
+    pb_conns_caps_changed(&s->conns);
     update_status(s);
     pb_sd_notify("READY=1\nSTATUS=%s", s->status);
 }

@@ -35,6 +35,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include <sys/types.h>
+#include <time.h>
 #include <uv.h>
 
 #include "config.h"
@@ -46,6 +47,9 @@ typedef struct pb_server {
     pb_config_t cfg;
     uv_pipe_t listener;
     bool listening;
+    dev_t sock_dev; /* the socket file it bound (not activated): close_listener removes only it */
+    ino_t sock_ino;
+    struct timespec sock_ctime;
     uv_signal_t sigterm, sigint, sighup;
     uv_timer_t sweep, drain_timer;
     uint64_t work_seen;            /* the workers' busy time at the last sweep */
