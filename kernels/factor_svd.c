@@ -11,7 +11,7 @@ FZ_FD(svd_fd)
 
 /* U (m×k, or m×m full), S (k), Vh (k×n, or n×n full); svd_trunc keeps at
  * most k, the forward sets the shapes; svd_vals returns S and its tape
- * keeps U and Vh. */
+ * keeps U, S and Vh. */
 static int svd_validate(pb_call_t *c, pb_err_t *err)
 {
     int rc = pb__fz_check(c, false, err);
@@ -23,7 +23,7 @@ static int svd_validate(pb_call_t *c, pb_err_t *err)
     size_t tape;
     if (c->op->variant == FZ_VALS) {
         pb__fz_meta(c, 0, rd, k, -1);
-        tape = pb__fz_bytes(d, m, k) + pb__fz_bytes(d, k, n);
+        tape = pb__fz_bytes(d, m, k) + pb__fz_bytes(rd, k, 1) + pb__fz_bytes(d, k, n);
     } else {
         uint64_t nu = full ? m : k, nv = full ? n : k;
         pb__fz_meta(c, 0, d, m, (int64_t)nu);
@@ -39,6 +39,7 @@ static const pb_opt_spec_t o_svd[] = {FZ_AUTO("rank_atol"), FZ_AUTO("degeneracy_
                                       FZ_STRICT};
 static const pb_opt_spec_t o_svd_trunc[] = {FZ_AUTO("rank_atol"), FZ_AUTO("degeneracy_atol"), FZ_AUTO("gauge_atol"),
                                             FZ_STRICT, FZ_TRUNC_OPTS};
+static const pb_opt_spec_t o_svd_vals[] = {FZ_AUTO("rank_atol")};
 static const char *const out_USV[] = {"U", "S", "Vh"}, *const out_S[] = {"S"};
 
 #define SVD_ROW(nm, var, outs, opts, nopts)                                                                            \
@@ -46,7 +47,7 @@ static const char *const out_USV[] = {"U", "S", "Vh"}, *const out_S[] = {"S"};
 const pb_op_t pb_fz_svd_ops[] = {
     SVD_ROW("svd_compact", FZ_COMPACT, out_USV, o_svd, NELEM(o_svd)),
     SVD_ROW("svd_full", FZ_FULL, out_USV, o_svd, NELEM(o_svd)),
-    SVD_ROW("svd_vals", FZ_VALS, out_S, NULL, 0),
+    SVD_ROW("svd_vals", FZ_VALS, out_S, o_svd_vals, NELEM(o_svd_vals)),
     SVD_ROW("svd_trunc", FZ_TRUNC, out_USV, o_svd_trunc, NELEM(o_svd_trunc)),
 };
 const int pb_fz_svd_nops = NELEM(pb_fz_svd_ops);

@@ -260,8 +260,7 @@ static int FN(svd_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor_
         }
         pb_mem_free(sel);
     } else if (rc == 0 && var == FZ_VALS) {
-        pb_tensor_ref(&o[0], &sv[1]);
-        pb_tensor_clear(&sv[1]); /* its pullback reads U and Vh only */
+        pb_tensor_ref(&o[0], &sv[1]); /* S stays on the tape too: its pullback drops the values past the rank */
     } else if (rc == 0)
         for (int i = 0; i < 3; i++)
             pb_tensor_ref(&o[i], &sv[i]);
@@ -302,7 +301,7 @@ static int FN(svd_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const fz
     RT *r1 = NULL, *ones = NULL, *dS = NULL;
     int rc;
     (void)err;
-    if (var == FZ_VALS) { /* ΔA = U·diag(ΔS)·Vh: the pullback with S = 1 and only ΔS */
+    if (var == FZ_VALS) { /* ΔA = Uᵣ·diag(ΔSᵣ)·Vhᵣ: the pullback with S = 1 and only ΔS, up to the rank r */
         if ((rc = FZ(load_cot_r)(&cot[0], k, &r1)))
             goto out;
         rc = PB_ENOMEM;
@@ -310,6 +309,11 @@ static int FN(svd_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const fz
             goto out;
         for (int i = 0; i < k; i++)
             ones[i] = 1;
+        /* Past the rank a singular value is not differentiable, and its
+         * vectors are any basis of the null spaces LAPACK picked: as
+         * svd_compact does, the rank-r part alone (contract section 4). */
+        for (int i = FN(svd_rank)(pb_tensor_data(s1), k, op->rank_atol); r1 && i < k; i++)
+            r1[i] = 0;
         rc = r1 ? FN(svd_pullback)(pb_tensor_data(s0), m, nu, ones, k, pb_tensor_data(s2), nv, n, NULL, r1, NULL, dA,
                                    0.5, 0.5, gauge)
                 : 0;

@@ -253,6 +253,46 @@ class FactorTest(DaemonCase):
         self.c.reverse(tape, {"S": np.ones(3)})
         self.assertEqual(self.c.stats()["tapes"], 0)
 
+    def test_svd_vals_rank(self):
+        """svd_vals' pullback is the rank-r part, as svd_compact's
+        (contract section 4): a cotangent on a singular value at or below
+        rank_atol gives nothing.  It used to give U₂·diag(S̄₂)·V₂ᴴ, made of
+        whatever null-space bases LAPACK picked: not a function of A."""
+        for dtype in DTYPES:
+            real = np.float32 if dtype in (np.float32, np.complex64) else np.float64
+            tol = 1e-5 if real == np.float32 else 1e-12
+            u = self.rand((5, 2), dtype)
+            v = self.rand((2, 3), dtype)
+            for A, dS in ((u @ v, [1.0, -2.0, 0.75]),             # rank 2 of 3
+                          (np.zeros((4, 3), dtype), [1.0, 0.5, 0.25]),  # rank 0
+                          (np.outer(np.arange(1, 5), np.ones(3)).astype(dtype), [0.0, 1.0, 1.0])):
+                A = np.ascontiguousarray(A)
+                dS = np.array(dS, real)
+                grads = {}
+                for op in ("svd_vals", "svd_compact"):
+                    out, tape = self.c.augmented_forward(op, {"A": A}, wrt=["A"])
+                    grads[op] = self.c.reverse(tape, {"S": dS})["A"]
+                s, = (out["S"],)
+                U, _, Vh = np.linalg.svd(A.astype(np.complex128), full_matrices=False)
+                r = int(np.sum(s > 1e-3 * max(float(s[0]), 1e-300))) if s[0] > 0 else 0
+                want = (U[:, :r] * dS[:r]) @ Vh[:r]
+                scale = max(1.0, float(np.max(np.abs(dS))))
+                for op, g in grads.items():
+                    self.assertLessEqual(float(np.max(np.abs(g - want))), tol * scale * 10,
+                                         f"{op} {np.dtype(dtype).name} rank {r}")
+            # An explicit rank_atol above a small singular value drops it too.
+            B = self.rand((4, 3), dtype)
+            U, s, Vh = np.linalg.svd(B.astype(np.complex128), full_matrices=False)
+            B = np.ascontiguousarray(((U * [3.0, 1.0, 1e-2]) @ Vh).astype(dtype)) if np.iscomplexobj(B) else \
+                np.ascontiguousarray(((U * [3.0, 1.0, 1e-2]) @ Vh).real.astype(dtype))
+            U, s, Vh = np.linalg.svd(B.astype(np.complex128), full_matrices=False)
+            dS = np.array([1.0, 1.0, 1.0], real)
+            for op in ("svd_vals", "svd_compact"):
+                out, tape = self.c.augmented_forward(op, {"A": B}, wrt=["A"], options={"rank_atol": 0.1})
+                g = self.c.reverse(tape, {"S": dS})["A"]
+                self.assertLessEqual(float(np.max(np.abs(g - (U[:, :2] @ Vh[:2])))), tol * 10,
+                                     f"{op} {np.dtype(dtype).name} rank_atol 0.1")
+
     def test_tall_and_wide(self):
         """A tall-skinny A longer than any square matrix LAPACK indexes
         (50000 > 46276 rows): the thin factorizations take it, against
