@@ -16,9 +16,12 @@ Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_flo
 """
 
 import os
+import select
+import signal
 import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 import unittest
@@ -685,6 +688,106 @@ class RepliesToTinyRequests(DaemonCase):
                 self.assertIsNone(msg[2])
                 got.add(msg[1])
         self.assertEqual(got, set(range(self.PER)))
+        s.close()
+
+
+class BurstThatIsRead(DaemonCase):
+    """A client that writes a burst of requests at once (16 of them, each
+    asking for an 8 MiB reply: 128 MiB in all, eight times the per-uid cap)
+    while another of its threads reads every reply is within the limits:
+    the daemon waits for it to read.  It used to close such a client within
+    milliseconds, about every other time, as holding replies its client had
+    not read: the replies being written did not count as moving (c307f07).
+    (A client that reads only after writing the whole burst cannot be
+    served past the caps: it would wait for the daemon to read, the daemon
+    for it.)"""
+
+    DAEMON_ARGS = ["--max-buffered-bytes", "32M"]
+
+    def burst(self, n, seed):
+        rng = np.random.default_rng(seed)
+        W, x = tensor(rng.standard_normal((1024, 8))), tensor(rng.standard_normal((8, 1024)))
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(self.path)
+        s.settimeout(30)
+        got, closed = [], []
+
+        def read():
+            u = msgpack.Unpacker(raw=False, max_bin_len=64 * MiB)
+            try:
+                while len(got) < n:
+                    data = s.recv(1 << 20)
+                    if not data:
+                        closed.append(len(got))
+                        return
+                    u.feed(data)
+                    got.extend(u)
+            except OSError as e:
+                closed.append(e)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            s.sendall(b"".join(request(i + 1, "forward", {"op": "fused_dense", "inputs": {"weight": W, "x": x}})
+                               for i in range(n)))
+        finally:
+            reader.join(60)
+            s.close()
+        self.assertEqual(closed, [], f"closed after {len(got)} replies: {[r[2] for r in got if r[2]]}")
+        self.assertEqual(sorted(r[1] for r in got), list(range(1, n + 1)))
+        self.assertEqual([r[2] for r in got], [None] * n)
+        self.assertEqual({len(r[3]["outputs"]["y"]["data"]) for r in got}, {8 * MiB})
+
+    def test_every_reply_comes(self):
+        for k in range(3):
+            with self.subTest(burst=k):
+                self.burst(16, k)
+
+
+class CapLoweredByReload(DaemonCase):
+    """A reload that lowers --max-buffered-bytes below what is held applies
+    at once: a client holding replies it does not read, past the new cap,
+    is closed within a few seconds with nothing else happening.  It used to
+    stay until some other connection's request came (c307f07)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.conf = os.path.join(tempfile.mkdtemp(prefix="pbconf"), "pullbackd.conf")
+        with open(cls.conf, "w") as f:
+            f.write("max-buffered-bytes = 256M\n")
+        cls.DAEMON_ARGS = ["--config", cls.conf]
+        super().setUpClass()
+
+    def test_applies_at_the_reload(self):
+        rng = np.random.default_rng(8)
+        W, x = tensor(rng.standard_normal((1024, 8))), tensor(rng.standard_normal((8, 1024)))
+        s = socket.socket(socket.AF_UNIX)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(self.path)
+        for i in range(6):  # 48 MiB of replies it does not read
+            s.sendall(request(i + 1, "forward", {"op": "fused_dense", "inputs": {"weight": W, "x": x}}))
+        deadline = time.monotonic() + 20
+        last = -1
+        while True:  # until all six replies are queued: 40 MiB and more, and still
+            held = buffered_bytes(self.path)
+            if held >= 40 * MiB and held == last:
+                break
+            self.assertLess(time.monotonic(), deadline, f"the replies were never all queued ({held} bytes)")
+            last = held
+            time.sleep(0.5)
+        with open(self.conf, "w") as f:
+            f.write("max-buffered-bytes = 16M\n")
+        self.proc.send_signal(signal.SIGHUP)
+        # Nothing else talks to the daemon now: the reload alone must act
+        # (a metrics request would wake it), so the socket is watched for
+        # the daemon's end closing.
+        p = select.poll()
+        p.register(s, select.POLLRDHUP)
+        ev = p.poll(8000)
+        self.assertTrue(ev and ev[0][1] & (select.POLLRDHUP | select.POLLHUP),
+                        "the connection holding 48 MiB is still open 8 s after the cap became 16 MiB")
+        held = buffered_bytes(self.path)
+        self.assertLess(held, 16 * MiB, f"{held / MiB:.0f} MiB still held after the reload")
         s.close()
 
 
