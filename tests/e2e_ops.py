@@ -12,7 +12,9 @@ reads, as an operator reads the journal:
   that runs out of descriptors says so;
 - max-buffered-bytes-per-uid defaults to half of the max-buffered-bytes in
   force (flags, file, reload), and one above the total is warned about;
-- a socket whose directory is missing is reported as that;
+- a socket whose directory is missing is reported as that; stopping
+  removes only the daemon's own socket file (not another's made on the
+  same path since), and a start beside a stalled daemon gives up at once;
 - a reload with the default config file gone keeps the settings (as root,
   in a mount namespace of its own with an overlay over /etc).
 
@@ -365,6 +367,59 @@ class Ops(unittest.TestCase):
         d = self.start(sock=os.path.join(plain, "pullbackd.sock"), name="notdir", wait=False)
         self.assertEqual(d.proc.wait(20), 1)
         self.assertIn(f"not a directory: {plain}", d.text())
+
+    # ---- the socket file ---------------------------------------------------
+
+    def test_stop_leaves_another_daemons_socket(self):
+        """A's socket file is deleted (a tmp cleaner, an operator) and B
+        starts on the same path: stopping A must not delete B's file.  It
+        did (c111c92): A unlinked its path by name at the stop."""
+        a = self.start(name="a")
+        os.unlink(a.sock)
+        b = self.start(name="b", sock=a.sock)
+        ino = os.stat(b.sock).st_ino
+        self.assertEqual(a.stop(), 0)
+        self.assertTrue(os.path.exists(b.sock), "stopping A removed B's socket file")
+        self.assertEqual(os.stat(b.sock).st_ino, ino)
+        self.assertIn("version", call(b.sock, "hello"))
+        self.assertEqual(b.stop(), 0)
+        self.assertFalse(os.path.exists(b.sock), "B left its own socket file")
+
+    def test_start_probe_never_blocks(self):
+        """A live daemon that is stopped (SIGSTOP) with its listen backlog
+        full: a second daemon started on its path must give up promptly
+        and obey SIGTERM.  Its probe of the path used to block in connect()
+        forever, SIGTERM unheard (c111c92)."""
+        a = self.start(name="a")
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        fill = []
+        try:
+            while len(fill) < 100000:
+                s = socket.socket(socket.AF_UNIX)
+                s.setblocking(False)
+                try:
+                    s.connect(a.sock)
+                except BlockingIOError:
+                    s.close()
+                    break
+                fill.append(s)
+            b = self.start(name="b", sock=a.sock, wait=False)
+            try:
+                rc = b.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                b.proc.send_signal(signal.SIGTERM)
+                try:
+                    rc = b.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    self.fail("a daemon probing a stalled daemon's socket ignored SIGTERM for 5 s")
+            self.assertNotEqual(rc, 0)
+            self.assertTrue(os.path.exists(a.sock), "B took A's socket file")
+        finally:
+            for s in fill:
+                s.close()
+            os.kill(a.proc.pid, signal.SIGCONT)
+        self.assertIn(f"another daemon is answering on {a.sock}; not taking its socket", b.text())
+        self.assertEqual(a.stop(), 0)
 
     @unittest.skipUnless(os.geteuid() == 0 and shutil.which("unshare") and shutil.which("nsenter"),
                          "needs root, unshare and nsenter for a mount namespace")
