@@ -350,7 +350,8 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
     int fl;
     if (b->n >= max_count) {
         rc = pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_buffers_per_connection",
-                        "this connection holds %zu buffers, the max_buffers_per_connection limit", b->n);
+                        "this connection holds %zu buffers, at or past the max_buffers_per_connection limit (%zu)",
+                        b->n, max_count);
         goto out;
     }
     if (size == 0 || size > SIZE_MAX / 2) {

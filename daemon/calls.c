@@ -160,7 +160,8 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
             pb_rpc_sweep(rpc);
         if (mine->n >= rpc->cfg->max_tapes_per_connection) {
             pb_err_set(&r->err, PB_ERESOURCE_EXHAUSTED, "max_tapes_per_connection",
-                       "this connection holds %zu tapes, the max_tapes_per_connection limit", mine->n);
+                       "this connection holds %zu tapes, at or past the max_tapes_per_connection limit (%zu)",
+                       mine->n, rpc->cfg->max_tapes_per_connection);
             return pb__req_fail(r, PB_ERESOURCE_EXHAUSTED);
         }
         rc = pb_tapes_reserve(&rpc->tapes, pb_conn_uid(c), x->call.tape_bytes, &r->err);

@@ -638,9 +638,15 @@ void pb_conns_accept(pb_conns_t *s, uv_stream_t *listener)
     s->count++;
     pb_log(PB_LOG_INFO, "connection %llu opened (uid %u, pid %d)", (unsigned long long)c->id, (unsigned)c->uid,
            (int)c->pid);
-    if (!pb__conns_admit(s, c)) {
-        pb__conn_refuse(c, "max_connections_per_uid", "uid %u has max_connections_per_uid (%zu) connections open",
-                        (unsigned)c->uid, s->cfg->max_connections_per_uid);
+    size_t open = 0;
+    if (!pb__conns_admit(s, c, &open)) {
+        if (open == 0)
+            pb__conn_refuse(c, "max_connections_per_uid", "out of memory counting the connections of uid %u",
+                            (unsigned)c->uid);
+        else
+            pb__conn_refuse(c, "max_connections_per_uid",
+                            "uid %u has %zu connections open, past the max_connections_per_uid limit (%zu)",
+                            (unsigned)c->uid, open, s->cfg->max_connections_per_uid);
         return;
     }
     uv_read_start((uv_stream_t *)&c->pipe, alloc_cb, on_read);

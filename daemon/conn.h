@@ -315,10 +315,11 @@ static inline int pb_conn_take_fd(pb_conn_t *c, int i)
 /* ---- conn_budget.c: buffering across connections (glossary: held) -------- */
 
 /* A new connection, counted in its uid's entry until pb__conns_leave
- * (c->counted): false when it is one past max_connections_per_uid, or out
- * of memory for the entry (then c is not counted, and nothing of it is
- * ever taken from another connection's entry of the same uid). */
-bool pb__conns_admit(pb_conns_t *s, pb_conn_t *c);
+ * (c->counted): false when it is past max_connections_per_uid, or out of
+ * memory for the entry (then c is not counted, and nothing of it is ever
+ * taken from another connection's entry of the same uid).  *open (when
+ * not NULL): the uid's open connections, c included; 0 out of memory. */
+bool pb__conns_admit(pb_conns_t *s, pb_conn_t *c, size_t *open);
 /* c is closing: it no longer counts against max_connections_per_uid. */
 void pb__conns_closed(pb_conns_t *s, pb_conn_t *c);
 /* c is freed: give back its held bytes. */

@@ -25,9 +25,11 @@ static pb_uid_use_t *use_of(pb_conns_t *s, const pb_conn_t *c)
     return c->counted ? uid_use(s, c->uid) : NULL;
 }
 
-bool pb__conns_admit(pb_conns_t *s, pb_conn_t *c)
+bool pb__conns_admit(pb_conns_t *s, pb_conn_t *c, size_t *open)
 {
     pb_uid_use_t *u = uid_use(s, c->uid);
+    if (open)
+        *open = 0;
     if (u == NULL) {
         if (!pb__grow((void **)&s->uids, s->nuids, &s->capuids, sizeof *s->uids))
             return false;
@@ -37,6 +39,8 @@ bool pb__conns_admit(pb_conns_t *s, pb_conn_t *c)
     c->counted = true;
     u->open++;
     u->members++;
+    if (open)
+        *open = u->open;
     return u->open <= s->cfg->max_connections_per_uid;
 }
 

@@ -12,6 +12,8 @@ reads, as an operator reads the journal:
   that runs out of descriptors says so;
 - max-buffered-bytes-per-uid defaults to half of the max-buffered-bytes in
   force (flags, file, reload), and one above the total is warned about;
+- after a reload lowers the tape and connection limits below what is held,
+  the refusals name the count and the limit apart;
 - a socket whose directory is missing is reported as that; stopping
   removes only the daemon's own socket file (not another's made on the
   same path since), and a start beside a stalled daemon gives up at once;
@@ -367,6 +369,42 @@ class Ops(unittest.TestCase):
         d = self.start(sock=os.path.join(plain, "pullbackd.sock"), name="notdir", wait=False)
         self.assertEqual(d.proc.wait(20), 1)
         self.assertIn(f"not a directory: {plain}", d.text())
+
+    def test_refusals_after_a_lowering_reload(self):
+        """A reload lowers max-tapes-per-connection and
+        max-connections-per-uid below what is held: the refusals name the
+        count held and the limit apart.  They gave the count as the limit
+        ("holds 4 tapes, the max_tapes_per_connection limit" at a limit of
+        2; "has max_connections_per_uid (1) connections open" with 3)."""
+        conf = os.path.join(self.dir, "d.conf")
+        with open(conf, "w") as f:
+            f.write("max-tapes-per-connection = 5\nmax-connections-per-uid = 8\n")
+        d = self.start(config=conf)
+        x = {"dtype": "f64", "shape": [2], "data": np.ones(2).tobytes()}
+        W = {"dtype": "f64", "shape": [2, 2], "data": np.eye(2).tobytes()}
+        af = msgpack.packb([0, 1, "augmented_forward", [{"op": "fused_dense", "inputs": {"weight": W, "x": x},
+                                                         "wrt": ["x"]}]])
+        with connect(d.sock) as s, connect(d.sock) as s2:
+            for _ in range(4):
+                s.sendall(af)
+                (r,) = read_replies(s, 1)
+                self.assertIsNone(r[2])
+            with open(conf, "w") as f:
+                f.write("max-tapes-per-connection = 2\nmax-connections-per-uid = 1\n")
+            d.proc.send_signal(signal.SIGHUP)
+            d.wait_log("reload: max-connections-per-uid 8 -> 1")
+            s.sendall(af)
+            (r,) = read_replies(s, 1)
+            self.assertEqual(r[2]["code"], "resource_exhausted")
+            self.assertEqual(r[2]["message"], "this connection holds 4 tapes, at or past the "
+                             "max_tapes_per_connection limit (2)")
+            with connect(d.sock) as s3:
+                (r,) = read_replies(s3, 1)
+            self.assertEqual(r[2]["code"], "resource_exhausted")
+            self.assertEqual(r[2]["message"], f"uid {os.geteuid()} has 3 connections open, past the "
+                             "max_connections_per_uid limit (1); closing the connection")
+            del s2
+        self.assertEqual(d.stop(), 0)
 
     # ---- the socket file ---------------------------------------------------
 
