@@ -26,8 +26,9 @@ int main(int argc, char **argv)
     pb_log_level = cfg.log_level;
     pb_config_warn(&cfg);
     if (cfg.device.kind != PB_DEV_CPU) {
-        pb_log(PB_LOG_ERR, "--device cuda:%d: this daemon has no CUDA devices (built without the CUDA backend)",
-               cfg.device.index);
+        /* The flag or the file: say both where there is a file. */
+        pb_log(PB_LOG_ERR, "device cuda:%d (%s%s): this daemon has no CUDA devices (built without the CUDA backend)",
+               cfg.device.index, cfg.config_file[0] ? "--device, or device = in " : "--device", cfg.config_file);
         return 1;
     }
     pb_alloc_init();

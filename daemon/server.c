@@ -112,8 +112,11 @@ static double drain_left_s(pb_server_t *s)
  * on the workers are not waited for (pb_server_abandoned). */
 static void abandon(pb_server_t *s, const char *why)
 {
-    pb_log(PB_LOG_WARNING, "%s: %llu requests still in flight are abandoned", why,
-           (unsigned long long)s->rpc.requests_in_flight);
+    if (s->rpc.requests_in_flight > 0)
+        pb_log(PB_LOG_WARNING, "%s: %llu requests still in flight are abandoned", why,
+               (unsigned long long)s->rpc.requests_in_flight);
+    else /* --drain-timeout 0, or the timer raced the last reply: nothing lost */
+        pb_log(PB_LOG_INFO, "%s: no request in flight; closing the connections", why);
     s->rpc.requests_in_flight = 0;
     s->drain_expired = true;
     uv_timer_stop(&s->drain_timer);
@@ -447,8 +450,10 @@ static void reload_change(const char *key, const char *from, const char *to, boo
 
 void pb_server_reload(pb_server_t *s)
 {
-    if (s->stopping)
+    if (s->stopping) {
+        pb_log(PB_LOG_NOTICE, "reload asked while stopping: not reloading");
         return;
+    }
     pb_sd_notify("RELOADING=1");
     pb_config_t n;
     char err[512];
@@ -460,6 +465,10 @@ void pb_server_reload(pb_server_t *s)
         return;
     }
     reload_ctx_t ctx = {.s = s};
+    /* The changes are logged at the more verbose of the two levels: a
+     * reload that raises the level says so too. */
+    if (n.log_level > pb_log_level)
+        pb_log_level = n.log_level;
     pb_config_diff(&s->cfg, &n, reload_change, &ctx);
     pb_config_apply_reloadable(&s->cfg, &n);
     s->rpc.tapes.max_bytes = n.max_tape_bytes;

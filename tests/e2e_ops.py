@@ -14,6 +14,9 @@ reads, as an operator reads the journal:
   force (flags, file, reload), and one above the total is warned about;
 - after a reload lowers the tape and connection limits below what is held,
   the refusals name the count and the limit apart;
+- --drain-timeout 0 with nothing in flight abandons nothing, a reload that
+  raises log-level logs its own change, and a SIGHUP while draining says
+  it is not reloading;
 - a socket whose directory is missing is reported as that; stopping
   removes only the daemon's own socket file (not another's made on the
   same path since), and a start beside a stalled daemon gives up at once;
@@ -256,6 +259,55 @@ class Ops(unittest.TestCase):
             pass
         ns.close()
         self.assertTrue(any("STOPPING=1" in n for n in notes), notes)
+
+    def test_cuda_device_without_cuda_names_the_file(self):
+        """`device = cuda` in the config file of a daemon built without
+        CUDA: the error named only --device, which the operator never
+        passed."""
+        conf = os.path.join(self.dir, "dev.conf")
+        with open(conf, "w") as f:
+            f.write("device = cuda\n")
+        d = self.start(config=conf, name="cuda", wait=False)
+        try:
+            rc = d.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.skipTest("this daemon runs on a CUDA device")
+        self.assertEqual(rc, 1, d.text())
+        self.assertIn(f"device cuda:0 (--device, or device = in {conf}): this daemon has no CUDA devices", d.text())
+
+    def test_drain_and_reload_lines(self):
+        """What the journal says: --drain-timeout 0 with nothing in flight
+        warned that "0 requests still in flight are abandoned"; a reload
+        that raised log-level from warning left out its own "reload:
+        log-level" line (logged at the old level); a SIGHUP while draining
+        was ignored without a word."""
+        d = self.start("--drain-timeout", "0", "--log-level", "info", name="zero")
+        self.assertEqual(d.stop(), 0)
+        self.assertNotIn("abandoned", d.text())
+        self.assertIn("drain timeout: no request in flight", d.text())
+
+        conf = os.path.join(self.dir, "ll.conf")
+        with open(conf, "w") as f:
+            f.write("log-level = warning\n")
+        d = self.start(config=conf, name="level")
+        with open(conf, "w") as f:
+            f.write("log-level = info\n")
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait_log("reloaded ")
+        self.assertIn("reload: log-level warning -> info", d.text())
+        # A request in flight keeps the drain going while SIGHUP comes.
+        A = np.random.default_rng(5).random((1500, 1500))
+        with connect(d.sock) as s:
+            s.sendall(msgpack.packb([0, 1, "forward", [{"op": "svd_compact", "inputs": {
+                "A": {"dtype": "f64", "shape": [1500, 1500], "data": A.tobytes()}}}]]))
+            time.sleep(0.2)
+            d.proc.send_signal(signal.SIGTERM)
+            d.wait_log("draining and stopping")
+            d.proc.send_signal(signal.SIGHUP)
+            d.wait_log("reload asked while stopping: not reloading")
+            (r,) = read_replies(s, 1)
+            self.assertIsNone(r[2])
+        self.assertEqual(d.proc.wait(20), 0)
 
     @unittest.skipUnless(os.path.exists(FAULT_LIB), "no PB_LAPACK_FAULT_LIB: the LAPACK module was not built")
     def test_second_and_third_signal(self):
