@@ -283,7 +283,11 @@ static int set_index(pb_config_t *c, int k, const char *v, char *err, size_t err
         errno = 0;
         double s = strtod(v, &end);
         if (lead || errno || end == v || *end || !(s >= (double)key->min) || s > (double)key->max)
-            return bad(err, errlen, "expected seconds >= 0, got '%s'", v);
+        {
+            snprintf(err, errlen, "expected seconds from %llu to %llu (about 31 years), got '%s'", key->min,
+                     key->max, quoted(PB_QUOTED, v));
+            return PB_EINVALID_ARGUMENT;
+        }
         *(double *)field = s;
         return 0;
     }

@@ -132,6 +132,7 @@ static void bad_files(void **state)
         {"device = gpu\n", ":1: device: expected cpu, cuda or cuda:N"},
         {"drain-timeout = -1\n", ":1: drain-timeout: expected seconds"},
         {"drain-timeout = inf\n", ":1: drain-timeout: expected seconds"},
+        {"idle-trim = 2e9\n", ":1: idle-trim: expected seconds from 0 to 1000000000 (about 31 years), got '2e9'"},
         {"log-level = loud\n", ":1: log-level: expected error"},
         {"config = /etc/other.conf\n", ":1: unknown key 'config'"},
         {"= 4\n", ":1: unknown key ''"},
