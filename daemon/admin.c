@@ -187,7 +187,7 @@ void pb__m_register(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg
     (void)msg;
     static const char *const keys[] = {"size", "device", NULL};
     pb_conn_t *c = r->conn;
-    int nfds = pb_conn_msg_nfds(c);
+    int nfds = pb_conn_claim_read_fds(c);
     uint64_t size = 0;
     pb_device_t dev;
     int rc = pb_request_check_keys(params, keys, &r->err);

@@ -77,6 +77,17 @@ size_t pb_shm_max_mappings(void)
     return n;
 }
 
+/* One uid's share: half of the daemon's most, at least one. */
+static size_t per_uid(size_t most)
+{
+    return most / 2 ? most / 2 : 1;
+}
+
+size_t pb_shm_max_mappings_per_uid(void)
+{
+    return per_uid(pb_shm_max_mappings());
+}
+
 void pb_shm_set_max_mappings(size_t n)
 {
     pthread_mutex_lock(&reg_lock);
@@ -178,7 +189,7 @@ static int room_for(uid_t uid)
     if (reg_count >= most)
         return FULL;
     const struct uid_maps *u = uid_entry(uid);
-    return u && u->n >= (most / 2 ? most / 2 : 1) ? UID_FULL : ROOM;
+    return u && u->n >= per_uid(most) ? UID_FULL : ROOM;
 }
 
 /* A free slot holding uid's mapping, or NULL with *why (FULL, UID_FULL,
@@ -329,10 +340,10 @@ static int full_err(pb_err_t *err, int why, uid_t uid)
     if (why == NO_MEMORY)
         return pb_err_set(err, PB_ENOMEM, NULL, "out of memory for the buffer registry");
     if (why == UID_FULL)
-        return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, NULL,
+        return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_mapped_buffers_per_uid",
                           "uid %u already maps %zu shared-memory buffers over its connections, its most (half of "
-                          "the daemon's %zu)", (unsigned)uid, most / 2 ? most / 2 : 1, most);
-    return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, NULL,
+                          "the daemon's %zu)", (unsigned)uid, per_uid(most), most);
+    return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_mapped_buffers",
                       "the daemon already maps %zu shared-memory buffers over all connections, its most (half of "
                       "vm.max_map_count, at most %d)", most, PB_SHM_MAX_MAPPINGS);
 }
@@ -354,8 +365,13 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
                         b->n, max_count);
         goto out;
     }
-    if (size == 0 || size > SIZE_MAX / 2) {
+    if (size == 0) {
         rc = pb_err_set(err, PB_EINVALID_ARGUMENT, "size", "size must be a positive number of bytes");
+        goto out;
+    }
+    if (size > SIZE_MAX / 2) {
+        rc = pb_err_set(err, PB_EINVALID_ARGUMENT, "size", "size %llu is more than any file could hold",
+                        (unsigned long long)size);
         goto out;
     }
     if (b->bytes > max_bytes || size > max_bytes - b->bytes) {

@@ -96,6 +96,10 @@ uint64_t pb_shm_file_key(const pb_storage_t *s);
  * setter is for tests (capped at PB_SHM_MAX_MAPPINGS; 0: the kernel's
  * limit again). */
 size_t pb_shm_max_mappings(void);
+/* One uid's most: half of pb_shm_max_mappings, at least one.  Both are in
+ * hello.limits (max_mapped_buffers, max_mapped_buffers_per_uid) and named
+ * by the refusals at them. */
+size_t pb_shm_max_mappings_per_uid(void);
 void pb_shm_set_max_mappings(size_t n);
 
 /* Mappings alive in the process and their registered bytes (stats). */

@@ -3,6 +3,7 @@
  * validates its params (request.c), reserves what it will hold, and runs
  * its math inline or on a worker; the completion, on the loop thread,
  * keeps or frees the tape and answers. */
+#include <stdio.h>
 #include <string.h>
 
 #include "../kernels/check.h"
@@ -38,20 +39,25 @@ static int store_into(pb_req_t *r, pb_tensor_t *res, int n)
  * replaced by an aligned copy). */
 static int check_broken(pb_req_t *r)
 {
-    const pb_storage_t *seen[2 * PB_MAX_IO + 2];
-    int n = 0;
-    for (int i = 0; i < PB_MAX_IO; i++)
-        seen[n++] = r->kind == PB_REQ_CALL      ? r->u.call.call.in[i].storage
-                    : r->kind == PB_REQ_REVERSE ? r->u.rev.cot[i].storage
-                                                : NULL;
-    for (int i = 0; i < PB_MAX_IO + 2; i++)
-        seen[n++] = r->into[i].storage;
-    for (int i = 0; i < n; i++)
-        if (pb_shm_broken(seen[i]))
-            return pb_err_set(&r->err, PB_EINVALID_ARGUMENT, NULL,
-                              "buffer %llu shrank below its registered size while this request used it; its "
-                              "contents are lost: unregister it",
-                              (unsigned long long)pb_shm_id(seen[i]));
+    const pb_op_t *op = r->kind == PB_REQ_CALL ? r->u.call.call.op : r->kind == PB_REQ_REVERSE ? r->u.rev.op : NULL;
+    for (int i = 0; op && i < 2 * PB_MAX_IO + 2; i++) {
+        /* inputs (cotangents), then into targets: outputs (gradients) */
+        bool in = i < PB_MAX_IO;
+        int k = in ? i : i - PB_MAX_IO;
+        const pb_storage_t *st = in ? (r->kind == PB_REQ_CALL ? r->u.call.call.in[k].storage : r->u.rev.cot[k].storage)
+                                    : r->into[k].storage;
+        if (!pb_shm_broken(st))
+            continue;
+        const char *name = r->kind == PB_REQ_CALL ? (in ? op->inputs[k].name : op->outputs[k])
+                           : in                   ? op->outputs[k]
+                                                  : op->wrt_names[k];
+        char arg[96];
+        snprintf(arg, sizeof arg, "%s.%s", in ? (r->kind == PB_REQ_CALL ? "inputs" : "cotangents") : "into", name);
+        return pb_err_set(&r->err, PB_EINVALID_ARGUMENT, arg,
+                          "buffer %llu shrank below its registered size while this request used it; its "
+                          "contents are lost: unregister it",
+                          (unsigned long long)pb_shm_id(st));
+    }
     return 0;
 }
 

@@ -228,6 +228,7 @@ struct pb_conn {
     int nfds;
     int msg_fds[PB_CONN_MAX_FDS];  /* the fds of the message being served; */
     int msg_nfds;                  /* one taken is -1 */
+    uint64_t msg_start;            /* stream offset of the message being served */
     pb_buffers_t buffers;
     /* pb_conn_log's budget: lines logged in the window that began at
      * log_window (loop ms); lines not logged since the last count said so,
@@ -304,6 +305,11 @@ static inline pb_buffers_t *pb_conn_buffers(pb_conn_t *c) { return &c->buffers; 
 static inline pb_tape_list_t *pb_conn_tapes(pb_conn_t *c) { return &c->tapes; }
 /* How many fds came with the message being served. */
 static inline int pb_conn_msg_nfds(const pb_conn_t *c) { return c->msg_nfds; }
+/* For a method that needs fds (register_buffer) and was given none: take
+ * the held fds whose read the message begins in, though a later message
+ * begins there too (a register_buffer pipelined with what follows it in
+ * one sendmsg).  How many it now has. */
+int pb_conn_claim_read_fds(pb_conn_t *c);
 /* Take fd i of the message being served: the caller closes it. */
 static inline int pb_conn_take_fd(pb_conn_t *c, int i)
 {

@@ -88,6 +88,7 @@ void pb__conn_claim_fds(pb_conn_t *c, uint64_t s, uint64_t e)
 {
     int keep = 0;
     c->msg_nfds = 0;
+    c->msg_start = s;
     for (int i = 0; i < c->nfds; i++) {
         struct pb_conn_fd f = c->fds[i];
         if (f.to > e)
@@ -98,6 +99,22 @@ void pb__conn_claim_fds(pb_conn_t *c, uint64_t s, uint64_t e)
             close(f.fd);
     }
     c->nfds = keep;
+}
+
+int pb_conn_claim_read_fds(pb_conn_t *c)
+{
+    if (c->msg_nfds > 0)
+        return c->msg_nfds;
+    int keep = 0;
+    for (int i = 0; i < c->nfds; i++) {
+        struct pb_conn_fd f = c->fds[i];
+        if (f.from <= c->msg_start && c->msg_start < f.to)
+            c->msg_fds[c->msg_nfds++] = f.fd;
+        else
+            c->fds[keep++] = f;
+    }
+    c->nfds = keep;
+    return c->msg_nfds;
 }
 
 /* Close the fds the message was given and no method kept. */

@@ -2,6 +2,8 @@
  * the request that computed it. */
 #include "reply.h"
 
+#include "buffer.h"
+
 
 #include "catalogue.h"
 #include "rpc.h"
@@ -130,11 +132,16 @@ void pb__enc_hello(pb_req_t *r, pb_out_t *o)
     pb_out_str(o, "limits");
     pb_config_limit_t lim[PB_CONFIG_MAX_LIMITS];
     int n = pb_config_limits(cfg, lim);
-    msgpack_pack_map(&o->pk, (size_t)n);
+    msgpack_pack_map(&o->pk, (size_t)n + 2);
     for (int i = 0; i < n; i++) {
         pb_out_str(o, lim[i].name);
         msgpack_pack_uint64(&o->pk, lim[i].value);
     }
+    /* Not settings: what the kernel lets the daemon map (daemon/buffer.h). */
+    pb_out_str(o, "max_mapped_buffers");
+    msgpack_pack_uint64(&o->pk, pb_shm_max_mappings());
+    pb_out_str(o, "max_mapped_buffers_per_uid");
+    msgpack_pack_uint64(&o->pk, pb_shm_max_mappings_per_uid());
 }
 
 void pb__enc_stats(pb_req_t *r, pb_out_t *o)

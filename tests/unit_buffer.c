@@ -264,7 +264,7 @@ static void limits(void **state)
            "max_buffers_per_connection", "holds 2 buffers");
     /* A size that would wrap the sum. */
     expect(pb_buffers_register(&b, memfd(4096, 0), UINT64_MAX, 8, SIZE_MAX, &id, &err), &err, PB_EINVALID_ARGUMENT,
-           "size", "size must be a positive number of bytes");
+           "size", "size 18446744073709551615 is more than any file could hold");
     expect(pb_buffers_register(&b, memfd(4096, 0), SIZE_MAX / 2, 8, SIZE_MAX / 2, &id, &err), &err,
            PB_ERESOURCE_EXHAUSTED, "max_buffer_bytes_per_connection", "would pass");
     /* Unregistering gives the room back. */
@@ -311,8 +311,8 @@ static void registry_cap(void **state)
         register_page(&other);
     }
     int fd = memfd(4096, 0);
-    expect(pb_buffers_register(&b, fd, 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED, "",
-           "over all connections, its most (half of vm.max_map_count");
+    expect(pb_buffers_register(&b, fd, 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED,
+           "max_mapped_buffers", "over all connections, its most (half of vm.max_map_count");
     assert_false(fd_open(fd));
     size_t now;
     pb_shm_totals(&now, &bytes);
@@ -325,6 +325,7 @@ static void registry_cap(void **state)
     pb_shm_totals(&count, &bytes);
     assert_int_equal(count, 0);
     pb_shm_set_max_mappings(4);
+    assert_int_equal(pb_shm_max_mappings_per_uid(), 2);
     pb_buffers_t u1, u2;
     pb_buffers_init(&u1);
     pb_buffers_init(&u2);
@@ -333,13 +334,13 @@ static void registry_cap(void **state)
     for (int i = 0; i < 2; i++)
         register_page(&u1);
     fd = memfd(4096, 0);
-    expect(pb_buffers_register(&u1, fd, 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED, "",
-           "uid 1000 already maps 2 shared-memory buffers over its connections, its most (half of the daemon's 4)");
+    expect(pb_buffers_register(&u1, fd, 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED,
+           "max_mapped_buffers_per_uid", "uid 1000 already maps 2 shared-memory buffers over its connections, its most (half of the daemon's 4)");
     assert_false(fd_open(fd));
     for (int i = 0; i < 2; i++)
         register_page(&u2);
-    expect(pb_buffers_register(&u2, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED, "",
-           "the daemon already maps 4 shared-memory buffers over all connections"); /* the total binds first */
+    expect(pb_buffers_register(&u2, memfd(4096, 0), 4096, 8, 1 << 20, &id, &err), &err, PB_ERESOURCE_EXHAUSTED,
+           "max_mapped_buffers", "the daemon already maps 4 shared-memory buffers over all connections"); /* the total binds first */
     pb_buffers_destroy(&u1); /* its room comes back */
     register_page(&u1);
     pb_buffers_destroy(&u1);

@@ -261,6 +261,10 @@ class SharedMemory(DaemonCase):
         limits = self.c.hello()["limits"]
         self.assertEqual(limits["max_buffers_per_connection"], 8)
         self.assertIn("max_buffer_bytes_per_connection", limits)
+        # What the kernel lets the daemon map, named by the refusals at it.
+        most = limits["max_mapped_buffers"]
+        self.assertTrue(1 <= most <= 65536, most)
+        self.assertEqual(limits["max_mapped_buffers_per_uid"], max(most // 2, 1))
 
 
 if __name__ == "__main__":
