@@ -78,7 +78,7 @@ static int default_socket(char *buf, size_t len)
     int n;
     if ((e = getenv("PULLBACKD_SOCKET")) && *e)
         n = snprintf(buf, len, "%s", e);
-    else if ((e = getenv("RUNTIME_DIRECTORY")) && *e)
+    else if ((e = getenv("RUNTIME_DIRECTORY")) && strcspn(e, ":") > 0) /* an empty first entry: the next link */
         n = snprintf(buf, len, "%.*s/pullbackd.sock", (int)strcspn(e, ":"), e);
     else if ((e = getenv("XDG_RUNTIME_DIR")) && *e)
         n = snprintf(buf, len, "%s/pullbackd.sock", e);

@@ -16,6 +16,17 @@ static const char *key_text(pb_quoted_t *q, const msgpack_object *k)
     return k->type == MSGPACK_OBJECT_STR ? pb_quote(q, k->via.str.ptr, k->via.str.size) : "?";
 }
 
+/* names[0..n) (n < 0: up to a NULL) joined with ", " into buf, "none"
+ * for no name; cut short where buf ends. */
+static const char *join_names(const char *const *names, int n, char *buf, size_t len)
+{
+    size_t o = 0;
+    snprintf(buf, len, "none");
+    for (int i = 0; (n < 0 ? names[i] != NULL : i < n) && o < len; i++)
+        o += (size_t)snprintf(buf + o, len - o, "%s%s", i ? ", " : "", names[i]);
+    return buf;
+}
+
 /* Every key of params must be one of allowed, and given once (which of
  * two would count is no guess to leave to the daemon). */
 int pb_request_check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err)
@@ -29,12 +40,9 @@ int pb_request_check_keys(const msgpack_object *params, const char *const *allow
         while (allowed[j] && !pb__obj_is_str(k, allowed[j]))
             j++;
         if (!allowed[j]) {
-            char list[200] = "none";
-            size_t o = 0;
-            for (const char *const *a = allowed; *a && o < sizeof list; a++)
-                o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", a == allowed ? "" : ", ", *a);
+            char list[200];
             return pb_err_set(err, PB_EINVALID_ARGUMENT, "params", "unknown key '%s' in params (expected: %s)",
-                              key_text(PB_QUOTED, k), list);
+                              key_text(PB_QUOTED, k), join_names(allowed, -1, list, sizeof list));
         }
         if (seen >> j & 1)
             return pb_err_set(err, PB_EINVALID_ARGUMENT, allowed[j], "params key '%s' is given twice", allowed[j]);
@@ -203,9 +211,13 @@ static int parse_wrt(pb_call_t *c, const msgpack_object *w, pb_err_t *err)
     for (uint32_t i = 0; i < w->via.array.size; i++) {
         const msgpack_object *n = &w->via.array.ptr[i];
         int k = n->type == MSGPACK_OBJECT_STR ? pb_op_wrt_index(op, n->via.str.ptr, n->via.str.size) : -1;
-        if (k < 0)
-            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt[%u] is not a differentiable input of %s", i,
-                              op->name);
+        if (k < 0) {
+            char names[200];
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt",
+                              "wrt[%u] '%s' is not a differentiable input of %s (those are: %s)", i,
+                              key_text(PB_QUOTED, n), op->name, join_names(op->wrt_names, op->nwrt, names,
+                                                                           sizeof names));
+        }
         if (c->wrt & (1u << k))
             return pb_err_set(err, PB_EINVALID_ARGUMENT, "wrt", "wrt names %s twice", op->wrt_names[k]);
         if (k < op->ninputs && c->in[k].storage == NULL)

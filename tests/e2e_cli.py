@@ -230,6 +230,10 @@ class Running(DaemonCase):
             self.assertIn("all uids", out)
             self.assertIn(f"uid {os.getuid()}", out)
             self.assertIn(f" {st['tape_bytes']} ", out)
+            # A header over each column (the human-readable size had none).
+            head, *rows = out.splitlines()
+            self.assertEqual(head.split(), ["tapes", "bytes", "size", "limit"])
+            self.assertEqual(len(rows[0].split()), 2 + 2 + 2 + 2, rows[0])  # "all uids", 2 counts, "32 B", "4.00 GiB"
 
             for tape in tapes:
                 tape.release()

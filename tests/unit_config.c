@@ -391,6 +391,19 @@ static void socket_chain(void **state)
     setenv("RUNTIME_DIRECTORY", "/run/pullbackd:/run/other", 1);
     assert_int_equal(load(&c, NULL, err, sizeof err, NULL), 0);
     assert_string_equal(c.socket_path, "/run/pullbackd/pullbackd.sock");
+    /* An empty first entry goes on down the chain, as the clients do (it
+     * gave /pullbackd.sock, in the root directory). */
+    const char *xdg = getenv("XDG_RUNTIME_DIR");
+    char *xdg_was = xdg ? strdup(xdg) : NULL;
+    setenv("RUNTIME_DIRECTORY", ":/run/other", 1);
+    setenv("XDG_RUNTIME_DIR", "/run/user/7", 1);
+    assert_int_equal(load(&c, NULL, err, sizeof err, NULL), 0);
+    assert_string_equal(c.socket_path, "/run/user/7/pullbackd.sock");
+    if (xdg_was)
+        setenv("XDG_RUNTIME_DIR", xdg_was, 1);
+    else
+        unsetenv("XDG_RUNTIME_DIR");
+    free(xdg_was);
     unsetenv("RUNTIME_DIRECTORY");
     char longp[200];
     memset(longp, 'a', sizeof longp - 1);

@@ -419,8 +419,8 @@ static const refusal_t refusals[] = {
     {A, FD(""), INV, "wrt", "missing wrt"},
     {C, FD(""), INV, "wrt", "missing wrt"},
     {A, FD(", \"wrt\": \"x\""), INV, "wrt", "wrt must be an array of input names"},
-    {A, FD(", \"wrt\": [\"y\"]"), INV, "wrt", "wrt[0] is not a differentiable input of fused_dense"},
-    {A, FD(", \"wrt\": [\"x\", 1]"), INV, "wrt", "wrt[1] is not a differentiable input"},
+    {A, FD(", \"wrt\": [\"y\"]"), INV, "wrt", "wrt[0] 'y' is not a differentiable input of fused_dense (those are: weight, x, bias)"},
+    {A, FD(", \"wrt\": [\"x\", 1]"), INV, "wrt", "wrt[1] '?' is not a differentiable input"},
     {A, FD(", \"wrt\": [\"x\", \"x\"]"), INV, "wrt", "wrt names x twice"},
     {A, FD(", \"wrt\": [\"bias\"]"), INV, "wrt", "wrt names bias, which was not given in inputs"},
     /* accumulate is reverse's */

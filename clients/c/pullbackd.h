@@ -1,7 +1,7 @@
 /* C client library of pullbackd.
  *
  * A small blocking client for the daemon's msgpack-RPC protocol (see
- * shared/PROTOCOL.md): connect to the Unix socket, pack a request's params
+ * shared/PROTOCOL.md beside this repository): connect to the Unix socket, pack a request's params
  * with msgpack-c's own packer, send it, and read replies back as msgpack
  * objects.  Requests may be pipelined (several sends before any receive);
  * replies are paired with their request by msgid.

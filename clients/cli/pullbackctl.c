@@ -593,7 +593,7 @@ static int cmd_tapes(ctl_t *x)
         fputc('\n', stdout);
     } else {
         char h1[32], h2[32], label[40];
-        printf("%-16s %10s %16s %12s %12s\n", "", "tapes", "bytes", "", "limit");
+        printf("%-16s %10s %16s %12s %12s\n", "", "tapes", "bytes", "size", "limit");
         printf("%-16s %10" PRIu64 " %16" PRIu64 " %12s %12s\n", "all uids", v[0], v[1],
                human_bytes(v[1], h1, sizeof h1), has_all ? human_bytes(lim_all, h2, sizeof h2) : "?");
         snprintf(label, sizeof label, "uid %u (you)", (unsigned)getuid());

@@ -176,6 +176,10 @@ class CodecTest(unittest.TestCase):
             with mock.patch.dict(os.environ, env, clear=True):
                 self.assertEqual(pullbackd.socket_path(), want)
             env.pop(key, None)
+        # An empty first RUNTIME_DIRECTORY entry goes on down the chain, as
+        # the daemon and the C client do (it gave the relative "pullbackd.sock").
+        with mock.patch.dict(os.environ, {"RUNTIME_DIRECTORY": ":/run/q", "XDG_RUNTIME_DIR": "/x"}, clear=True):
+            self.assertEqual(pullbackd.socket_path(), "/x/pullbackd.sock")
 
 
 class FakeDaemon(threading.Thread):

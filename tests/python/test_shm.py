@@ -86,6 +86,23 @@ class SharedMemory(DaemonCase):
                 with self.assertRaises(TypeError):
                     sb.put(8192, bad)
 
+    def test_offsets_are_element_aligned(self):
+        """put, array and tensor refuse an offset that is not a multiple of
+        the element size, as the daemon would (put(3, ...) wrote the bytes
+        and handed back a tensor every request then refused)."""
+        with self.c.shared_buffer(MIB) as sb:
+            for off, dtype in ((3, np.float64), (4, np.float64), (8, np.complex128), (2, np.float32), (-8, np.float64)):
+                with self.assertRaises(ValueError, msg=(off, dtype)):
+                    sb.put(off, np.ones(2, dtype=dtype))
+                with self.assertRaises(ValueError, msg=(off, dtype)):
+                    sb.tensor(off, (2,), dtype)
+                with self.assertRaises(ValueError, msg=(off, dtype)):
+                    sb.array(off, (2,), dtype)
+            t = sb.put(16, np.ones(2, dtype=np.complex128))
+            self.assertEqual(self.c.forward("tensoradd", {"A": t})["C"].tolist(), [1, 1])
+            t = sb.put(4, np.ones(2, dtype=np.float32))
+            self.assertEqual(self.c.forward("tensoradd", {"A": t})["C"].tolist(), [1, 1])
+
     def test_forward_from_buffer(self):
         with self.c.shared_buffer(MIB) as sb:
             for dtype in (np.float64, np.float32):

@@ -1,4 +1,4 @@
-"""Python client of pullbackd (wire contract version 1, see shared/PROTOCOL.md).
+"""Python client of pullbackd (wire contract version 1: shared/PROTOCOL.md beside the repository).
 
 numpy arrays go in and come out. A C-contiguous array travels as order "C",
 an F-contiguous one as order "F" with its memory as it is (no copy), any
@@ -72,9 +72,11 @@ def socket_path():
     env = os.environ
     if env.get("PULLBACKD_SOCKET"):
         return env["PULLBACKD_SOCKET"]
-    if env.get("RUNTIME_DIRECTORY"):
-        # systemd joins several RuntimeDirectory= entries with ':'; the first is ours.
-        return os.path.join(env["RUNTIME_DIRECTORY"].split(":")[0], "pullbackd.sock")
+    first = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
+    if first:
+        # systemd joins several RuntimeDirectory= entries with ':'; the first is ours
+        # (an empty one goes on down the chain, as the daemon and the C client do).
+        return os.path.join(first, "pullbackd.sock")
     if env.get("XDG_RUNTIME_DIR"):
         return os.path.join(env["XDG_RUNTIME_DIR"], "pullbackd.sock")
     return f"/tmp/pullbackd-{os.getuid()}.sock"
@@ -155,8 +157,18 @@ class SharedBuffer:
             raise
         self.client, self.size, self.fd = client, size, fd
 
+    @staticmethod
+    def _aligned(offset, dtype):
+        """offset, checked: the daemon takes a tensor at a multiple of its element size."""
+        dt = _NUMPY_DTYPES[_wire_dtype(dtype)]
+        if not isinstance(offset, (int, np.integer)) or offset < 0 or offset % dt.itemsize:
+            raise ValueError(f"offset {offset!r} is not a multiple of {dt.itemsize} bytes, the size of a "
+                             f"{_wire_dtype(dtype)} element: the daemon would refuse it")
+        return int(offset)
+
     def array(self, offset, shape, dtype, order="C"):
-        """A writable numpy view of the bytes at offset."""
+        """A writable numpy view of the bytes at offset (a multiple of the element size)."""
+        offset = self._aligned(offset, dtype)
         dt = _NUMPY_DTYPES[_wire_dtype(dtype)]
         shape = tuple(int(d) for d in shape)
         count = 1
@@ -165,8 +177,8 @@ class SharedBuffer:
         return np.frombuffer(self.mmap, dtype=dt, count=count, offset=offset).reshape(shape, order=order)
 
     def tensor(self, offset, shape, dtype, order="C"):
-        """The BufferTensor of the values at offset."""
-        return BufferTensor(self.id, offset, dtype, shape, order)
+        """The BufferTensor of the values at offset (a multiple of the element size)."""
+        return BufferTensor(self.id, self._aligned(offset, dtype), dtype, shape, order)
 
     def put(self, offset, value):
         """Copy an array (in its own memory order, C unless F-contiguous) to offset; its BufferTensor."""
