@@ -323,8 +323,13 @@ int pb_request_into(const msgpack_object *into, const pb_resolver_t *res, const 
 
 /* Accumulating stores are read-add-writes: two at once into the same bytes
  * (pipelined reverses on two workers, or two connections over one memfd)
- * would lose one's additions.  One lock per file, striped. */
+ * would lose one's additions.  A lock per 1 MiB of a file (striped, by
+ * the file and the offset in it: every registration maps a file from its
+ * start), taken one chunk at a time, so that stores into disjoint parts of
+ * one buffer (data-parallel gradients) run at once.  A chunk boundary is a
+ * multiple of every element size: no element straddles two. */
 #define ACC_STRIPES 64
+#define ACC_CHUNK ((size_t)1 << 20)
 static pthread_mutex_t acc_locks[ACC_STRIPES] = {[0 ... ACC_STRIPES - 1] = PTHREAD_MUTEX_INITIALIZER};
 
 int pb_into_store(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb_err_t *err)
@@ -342,13 +347,20 @@ int pb_into_store(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb
         return 0;
     }
     uint64_t key = pb_shm_file_key(in->storage);
-    pthread_mutex_t *lk = &acc_locks[(key ^ key >> 29) % ACC_STRIPES];
-    pthread_mutex_lock(lk);
-    if (t->dtype == PB_F32 || t->dtype == PB_C64)
-        ADD_INTO(float, dst, src, bytes);
-    else
-        ADD_INTO(double, dst, src, bytes);
-    pthread_mutex_unlock(lk);
+    bool single = t->dtype == PB_F32 || t->dtype == PB_C64;
+    for (size_t done = 0; done < bytes;) {
+        size_t at = in->offset + done, chunk = at / ACC_CHUNK;
+        size_t n = (chunk + 1) * ACC_CHUNK - at < bytes - done ? (chunk + 1) * ACC_CHUNK - at : bytes - done;
+        uint64_t h = (key ^ key >> 29) + chunk * 0x9e3779b97f4a7c15ull;
+        pthread_mutex_t *lk = &acc_locks[(h ^ h >> 32) % ACC_STRIPES];
+        pthread_mutex_lock(lk);
+        if (single)
+            ADD_INTO(float, dst + done, (const char *)src + done, n);
+        else
+            ADD_INTO(double, dst + done, (const char *)src + done, n);
+        pthread_mutex_unlock(lk);
+        done += n;
+    }
     return 0;
 }
 

@@ -160,6 +160,22 @@ class SharedMemory(DaemonCase):
                 self.c.reverse(tape, {"y": ybar}, into={"weight": (sb, 256 << 10)}, accumulate=True)
                 self.assertTrue(same(acc, start + want["weight"]))
 
+    def test_accumulate_across_lock_chunks(self):
+        """An accumulating store is locked 1 MiB of the file at a time: a
+        complex result of 1.6 MB at an offset off the chunk grid adds every
+        element, the chunks' edges included."""
+        n, off = 100_000, 48
+        A = (self.rng.standard_normal(n) + 1j * self.rng.standard_normal(n)).astype(np.complex128)
+        with self.c.shared_buffer(4 * MIB) as sb:
+            acc = sb.array(off, (n,), np.complex128)
+            start = (self.rng.standard_normal(n) + 1j * self.rng.standard_normal(n)).astype(np.complex128)
+            acc[...] = start
+            _, tape = self.c.augmented_forward("tensoradd", {"A": np.zeros(n, np.complex128)}, ["A"])
+            for _ in range(2):  # Ā = C̄ (alpha 1)
+                self.c.reverse(tape, {"C": A}, keep=True, into={"A": (sb, off)}, accumulate=True)
+            tape.release()
+            np.testing.assert_array_equal(acc, start + A + A)
+
     def test_concurrent_accumulates_leave_the_sum(self):
         """Two reverses into one target with accumulate, pipelined so that
         two workers store at once, leave the sum: the stores are
