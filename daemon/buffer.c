@@ -138,9 +138,13 @@ static void on_sigbus(int sig, siginfo_t *si, void *uctx)
             int prot = atomic_load(&sl->prot);
             if (atomic_load(&sl->seq) != s1 || b == 0 || a < b || a - b >= len)
                 continue;
+            /* Broken before the zero pages go in: a request on another
+             * worker that reads them checks the flag after its reads, and
+             * must see it (set after, a check in between passed zeros off
+             * as the client's data). */
+            atomic_store(&sl->broken, true);
             if (mmap((void *)b, len, prot, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) == MAP_FAILED)
                 goto not_ours;
-            atomic_store(&sl->broken, true);
             errno = saved;
             return;
         }
