@@ -75,8 +75,9 @@ class GuideTest(DaemonCase):
             with open(src, "w") as f:
                 f.write(prog)
             # The guide's command, with -Wall -Wextra -Werror: its example is kept clean too.
-            subprocess.run([cc, "-std=c11", "-Wall", "-Wextra", "-Werror", "-I" + os.path.join(ROOT, "clients", "c"),
-                            src, lib, *flags, "-lm", "-o", exe], check=True)
+            # $PB_CLIENT_CFLAGS: the sanitizers of an ASan or TSan build's library.
+            subprocess.run([cc, "-std=c11", "-Wall", "-Wextra", "-Werror", *os.environ.get("PB_CLIENT_CFLAGS", "").split(),
+                            "-I" + os.path.join(ROOT, "clients", "c"), src, lib, *flags, "-lm", "-o", exe], check=True)
             out = subprocess.run([exe], capture_output=True, text=True, timeout=60,
                                  env={**os.environ, "PULLBACKD_SOCKET": self.path})
         self.assertEqual(out.returncode, 0, out.stderr)
