@@ -17,6 +17,7 @@ Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_flo
 
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -752,11 +753,19 @@ class CapLoweredByReload(DaemonCase):
 
     @classmethod
     def setUpClass(cls):
-        cls.conf = os.path.join(tempfile.mkdtemp(prefix="pbconf"), "pullbackd.conf")
+        cls.confdir = tempfile.mkdtemp(prefix="pbconf")
+        cls.conf = os.path.join(cls.confdir, "pullbackd.conf")
         with open(cls.conf, "w") as f:
             f.write("max-buffered-bytes = 256M\n")
         cls.DAEMON_ARGS = ["--config", cls.conf]
         super().setUpClass()
+
+    @classmethod
+    def tearDownClass(cls):
+        try:
+            super().tearDownClass()
+        finally:
+            shutil.rmtree(cls.confdir)
 
     def test_applies_at_the_reload(self):
         rng = np.random.default_rng(8)
