@@ -298,24 +298,17 @@ static int FN(svd_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const fz
     const pb_tensor_t *s0 = &t->saved[0], *s1 = &t->saved[1], *s2 = &t->saved[2];
     const int nu = (int)s0->shape[1], nv = (int)s2->shape[0];
     T *c0 = NULL, *c2 = NULL;
-    RT *r1 = NULL, *ones = NULL, *dS = NULL;
+    RT *r1 = NULL, *dS = NULL;
     int rc;
     (void)err;
-    if (var == FZ_VALS) { /* ΔA = Uᵣ·diag(ΔSᵣ)·Vhᵣ: the pullback with S = 1 and only ΔS, up to the rank r */
+    if (var == FZ_VALS) {
+        /* ΔA = Uᵣ·diag(ΔSᵣ)·Vhᵣ: the pullback with ΔS alone.  Its rank cut
+         * drops the values past the rank, which are not differentiable and
+         * whose vectors are any basis LAPACK picked (contract section 4). */
         if ((rc = FZ(load_cot_r)(&cot[0], k, &r1)))
             goto out;
-        rc = PB_ENOMEM;
-        if ((ones = FZ(ralloc)((size_t)k)) == NULL)
-            goto out;
-        for (int i = 0; i < k; i++)
-            ones[i] = 1;
-        /* Past the rank a singular value is not differentiable, and its
-         * vectors are any basis of the null spaces LAPACK picked: as
-         * svd_compact does, the rank-r part alone (contract section 4). */
-        for (int i = FN(svd_rank)(pb_tensor_data(s1), k, op->rank_atol); r1 && i < k; i++)
-            r1[i] = 0;
-        rc = r1 ? FN(svd_pullback)(pb_tensor_data(s0), m, nu, ones, k, pb_tensor_data(s2), nv, n, NULL, r1, NULL, dA,
-                                   0.5, 0.5, gauge)
+        rc = r1 ? FN(svd_pullback)(pb_tensor_data(s0), m, nu, pb_tensor_data(s1), k, pb_tensor_data(s2), nv, n, NULL,
+                                   r1, NULL, dA, op->rank_atol, op->deg_atol, gauge)
                 : 0;
         goto out;
     }
@@ -333,7 +326,6 @@ out:
     pb_mem_free(c0);
     pb_mem_free(c2);
     pb_mem_free(r1);
-    pb_mem_free(ones);
     pb_mem_free(dS);
     return rc;
 }
