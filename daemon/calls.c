@@ -37,27 +37,30 @@ static int store_into(pb_req_t *r, pb_tensor_t *res, int n)
  * buffers it touched are the mappings its inputs, cotangents and into
  * targets view (a mapping is aligned for its dtype, so no input of it was
  * replaced by an aligned copy). */
+static int broken(pb_req_t *r, const pb_storage_t *st, const char *part, const char *name)
+{
+    char arg[96];
+    snprintf(arg, sizeof arg, "%s.%s", part, name);
+    return pb_err_set(&r->err, PB_EINVALID_ARGUMENT, arg,
+                      "buffer %llu shrank below its registered size while this request used it; its "
+                      "contents are lost: unregister it",
+                      (unsigned long long)pb_shm_id(st));
+}
+
 static int check_broken(pb_req_t *r)
 {
-    const pb_op_t *op = r->kind == PB_REQ_CALL ? r->u.call.call.op : r->kind == PB_REQ_REVERSE ? r->u.rev.op : NULL;
-    for (int i = 0; op && i < 2 * PB_MAX_IO + 2; i++) {
-        /* inputs (cotangents), then into targets: outputs (gradients) */
-        bool in = i < PB_MAX_IO;
-        int k = in ? i : i - PB_MAX_IO;
-        const pb_storage_t *st = in ? (r->kind == PB_REQ_CALL ? r->u.call.call.in[k].storage : r->u.rev.cot[k].storage)
-                                    : r->into[k].storage;
-        if (!pb_shm_broken(st))
-            continue;
-        const char *name = r->kind == PB_REQ_CALL ? (in ? op->inputs[k].name : op->outputs[k])
-                           : in                   ? op->outputs[k]
-                                                  : op->wrt_names[k];
-        char arg[96];
-        snprintf(arg, sizeof arg, "%s.%s", in ? (r->kind == PB_REQ_CALL ? "inputs" : "cotangents") : "into", name);
-        return pb_err_set(&r->err, PB_EINVALID_ARGUMENT, arg,
-                          "buffer %llu shrank below its registered size while this request used it; its "
-                          "contents are lost: unregister it",
-                          (unsigned long long)pb_shm_id(st));
+    if (r->kind != PB_REQ_CALL && r->kind != PB_REQ_REVERSE)
+        return 0;
+    bool call = r->kind == PB_REQ_CALL;
+    const pb_op_t *op = call ? r->u.call.call.op : r->u.rev.op;
+    for (int k = 0; k < PB_MAX_IO; k++) {
+        const pb_storage_t *st = call ? r->u.call.call.in[k].storage : r->u.rev.cot[k].storage;
+        if (pb_shm_broken(st))
+            return broken(r, st, call ? "inputs" : "cotangents", call ? op->inputs[k].name : op->outputs[k]);
     }
+    for (int k = 0; k < PB_MAX_IO + 2; k++) /* outputs of a call, gradients of a reverse */
+        if (pb_shm_broken(r->into[k].storage))
+            return broken(r, r->into[k].storage, "into", call ? op->outputs[k] : op->wrt_names[k]);
     return 0;
 }
 

@@ -3,8 +3,6 @@
 #include "reply.h"
 
 #include "buffer.h"
-
-
 #include "catalogue.h"
 #include "rpc.h"
 

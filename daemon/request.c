@@ -349,9 +349,9 @@ int pb_into_store(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb
     uint64_t key = pb_shm_file_key(in->storage);
     bool single = t->dtype == PB_F32 || t->dtype == PB_C64;
     for (size_t done = 0; done < bytes;) {
-        size_t at = in->offset + done, chunk = at / ACC_CHUNK;
-        size_t n = (chunk + 1) * ACC_CHUNK - at < bytes - done ? (chunk + 1) * ACC_CHUNK - at : bytes - done;
-        uint64_t h = (key ^ key >> 29) + chunk * 0x9e3779b97f4a7c15ull;
+        size_t at = in->offset + done, room = ACC_CHUNK - at % ACC_CHUNK;
+        size_t n = room < bytes - done ? room : bytes - done;
+        uint64_t h = (key ^ key >> 29) + at / ACC_CHUNK * 0x9e3779b97f4a7c15ull;
         pthread_mutex_t *lk = &acc_locks[(h ^ h >> 32) % ACC_STRIPES];
         pthread_mutex_lock(lk);
         if (single)

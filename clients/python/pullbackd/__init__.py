@@ -159,17 +159,17 @@ class SharedBuffer:
 
     @staticmethod
     def _aligned(offset, dtype):
-        """offset, checked: the daemon takes a tensor at a multiple of its element size."""
-        dt = _NUMPY_DTYPES[_wire_dtype(dtype)]
+        """(offset, numpy dtype), checked: the daemon takes a tensor at a multiple of its element size."""
+        wire = _wire_dtype(dtype)
+        dt = _NUMPY_DTYPES[wire]
         if not isinstance(offset, (int, np.integer)) or offset < 0 or offset % dt.itemsize:
             raise ValueError(f"offset {offset!r} is not a multiple of {dt.itemsize} bytes, the size of a "
-                             f"{_wire_dtype(dtype)} element: the daemon would refuse it")
-        return int(offset)
+                             f"{wire} element: the daemon would refuse it")
+        return int(offset), dt
 
     def array(self, offset, shape, dtype, order="C"):
         """A writable numpy view of the bytes at offset (a multiple of the element size)."""
-        offset = self._aligned(offset, dtype)
-        dt = _NUMPY_DTYPES[_wire_dtype(dtype)]
+        offset, dt = self._aligned(offset, dtype)
         shape = tuple(int(d) for d in shape)
         count = 1
         for d in shape:
@@ -178,7 +178,7 @@ class SharedBuffer:
 
     def tensor(self, offset, shape, dtype, order="C"):
         """The BufferTensor of the values at offset (a multiple of the element size)."""
-        return BufferTensor(self.id, self._aligned(offset, dtype), dtype, shape, order)
+        return BufferTensor(self.id, self._aligned(offset, dtype)[0], dtype, shape, order)
 
     def put(self, offset, value):
         """Copy an array (in its own memory order, C unless F-contiguous) to offset; its BufferTensor."""
