@@ -194,6 +194,11 @@ void pb__m_register(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg
     /* Host memory unless it names a GPU (contract section 6). */
     if (rc == 0)
         rc = pb_request_device(params, (pb_device_t){PB_DEV_CPU, 0}, &dev, &r->err);
+    if (rc == 0 && dev.kind != PB_DEV_CPU)
+        rc = pb_err_set(&r->err, PB_EDEVICE_UNAVAILABLE, "device",
+                        "GPU memory buffers (an exported CUDA allocation's fd) are not served yet: register host "
+                        "memory, and calls on cuda:%d copy it to the device",
+                        dev.index);
     const msgpack_object *sz = pb__obj_get(params, "size");
     if (rc == 0 && (!pb__obj_uint(sz, &size) || size == 0))
         rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "size",

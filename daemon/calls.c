@@ -3,11 +3,14 @@
  * validates its params (request.c), reserves what it will hold, and runs
  * its math inline or on a worker; the completion, on the loop thread,
  * keeps or frees the tape and answers. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <string.h>
 
+#include "../cuda/gpu.h"
 #include "../kernels/check.h"
 #include "buffer.h"
+#include "log.h"
 #include "methods.h"
 #include "reply.h"
 #include "rpc.h"
@@ -64,8 +67,24 @@ static int check_broken(pb_req_t *r)
     return 0;
 }
 
+/* A GPU that failed under a request is logged once, with the first
+ * failure's words (the request's error says which call found it). */
+static void log_failed_gpus(const pb_err_t *err)
+{
+    static bool logged[PB_GPU_MAX_DEVICES];
+    for (int g = 0; g < pb_gpu_count(); g++)
+        if (!logged[g] && pb_gpu->failed(g)) {
+            logged[g] = true;
+            pb_log(PB_LOG_ERR, "cuda:%d has failed (%s); its requests and its tapes' reverses now answer "
+                   "device_unavailable until the daemon restarts, and the CPU and other GPUs keep serving",
+                   g, err->message);
+        }
+}
+
 static void answer(pb_req_t *r)
 {
+    if (r->rc == PB_EDEVICE_UNAVAILABLE)
+        log_failed_gpus(&r->err);
     if (r->rc)
         pb__req_fail(r, r->rc);
     else
@@ -113,7 +132,7 @@ static void forward_done(pb_job_t *j)
         r->rc = broken;
     if (!x->call.taped || r->rc) {
         if (x->call.taped) {
-            pb_tapes_unreserve(tapes, uid, x->reserved);
+            pb_tapes_unreserve(tapes, uid, x->call.device, x->reserved);
             mine->n--;
         }
         return answer(r);
@@ -122,7 +141,7 @@ static void forward_done(pb_job_t *j)
     if (pb_conn_closing(c) || r->notify) {
         /* Its handle reaches nobody (the reply is dropped, or there is
          * none): nobody can use it, in peer scope either. */
-        pb_tapes_unreserve(tapes, uid, x->reserved);
+        pb_tapes_unreserve(tapes, uid, x->call.device, x->reserved);
         return pb__req_finish(r);
     }
     pb_tape_t *t = pb_tapes_insert(tapes, uid, x->reserved, &x->tdata);
@@ -173,10 +192,10 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
                        mine->n, rpc->cfg->max_tapes_per_connection);
             return pb__req_fail(r, PB_ERESOURCE_EXHAUSTED);
         }
-        rc = pb_tapes_reserve(&rpc->tapes, pb_conn_uid(c), x->call.tape_bytes, &r->err);
+        rc = pb_tapes_reserve(&rpc->tapes, pb_conn_uid(c), x->call.device, x->call.tape_bytes, &r->err);
         if (rc == PB_ERESOURCE_EXHAUSTED) {
             pb_rpc_sweep(rpc);
-            rc = pb_tapes_reserve(&rpc->tapes, pb_conn_uid(c), x->call.tape_bytes, &r->err);
+            rc = pb_tapes_reserve(&rpc->tapes, pb_conn_uid(c), x->call.device, x->call.tape_bytes, &r->err);
         }
         if (rc)
             return pb__req_fail(r, rc);

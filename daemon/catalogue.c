@@ -3,6 +3,11 @@
  * dispatch read too. */
 #include "catalogue.h"
 
+#include <stdbool.h>
+#include <stdio.h>
+
+#include "../cuda/gpu.h"
+
 static void pack_strs(pb_out_t *o, const char *const *v, int n)
 {
     msgpack_pack_array(&o->pk, (size_t)n);
@@ -20,10 +25,30 @@ void pb_catalogue_dtypes(pb_out_t *o, unsigned mask)
 
 void pb_catalogue_devices(pb_out_t *o, unsigned mask)
 {
-    /* Only devices this daemon has: the CPU, for now. */
-    (void)mask;
-    msgpack_pack_array(&o->pk, 1);
+    /* Only devices this daemon has; a GPU kind when it has a GPU. */
+    int gpu = pb_gpu_count() > 0 && (mask & (1u << PB_DEV_CUDA));
+    msgpack_pack_array(&o->pk, 1 + (size_t)gpu);
     pb_out_str(o, "cpu");
+    if (gpu)
+        pb_out_str(o, "cuda");
+}
+
+void pb_catalogue_device_list(pb_out_t *o)
+{
+    /* One reading of the flags: a worker may fail a GPU meanwhile. */
+    int n = pb_gpu_count(), up = 0;
+    bool failed[PB_GPU_MAX_DEVICES];
+    for (int i = 0; i < n; i++)
+        up += !(failed[i] = pb_gpu->failed(i));
+    msgpack_pack_array(&o->pk, 1 + (size_t)up);
+    pb_out_str(o, "cpu");
+    for (int i = 0; i < n; i++) {
+        if (failed[i])
+            continue;
+        char name[16];
+        snprintf(name, sizeof name, "cuda:%d", i);
+        pb_out_str(o, name);
+    }
 }
 
 static const char *const opt_type_names[] = {"str", "bool", "int", "float", "scalar", "axes", "axes2", "str"};

@@ -11,7 +11,11 @@
 void pb_catalogue_ops(pb_out_t *o);
 /* The names of the dtypes in mask, as an array. */
 void pb_catalogue_dtypes(pb_out_t *o, unsigned mask);
-/* The devices of mask this daemon has, as an array. */
+/* The device kinds of mask (1u << pb_devkind_t) this daemon has, as an
+ * array: "cpu", "cuda". */
 void pb_catalogue_devices(pb_out_t *o, unsigned mask);
+/* The devices present and serving: "cpu", "cuda:0", ... (hello; a GPU
+ * that has failed is left out). */
+void pb_catalogue_device_list(pb_out_t *o);
 
 #endif

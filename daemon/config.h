@@ -15,8 +15,8 @@
  *
  * Reloading (SIGHUP) runs the same load again, flags still winning, and
  * applies only the reloadable settings: the limits, --drain-timeout and
- * --log-level.  The socket, its mode, the device and the worker count need
- * a restart (pb_config_diff says which is which).
+ * --log-level.  The socket, its mode, the device and the worker counts
+ * need a restart (pb_config_diff says which is which).
  *
  * One table (pb_config_settings, in config.c) is the only list of
  * settings: each row names a setting, its type, default, bounds, whether a
@@ -40,9 +40,11 @@ typedef struct pb_config {
     int socket_mode;
     pb_device_t device;
     int workers;
+    int gpu_workers;                         /* per GPU */
     size_t max_message_bytes;
     size_t max_tape_bytes;
     size_t max_tape_bytes_per_uid;
+    size_t max_device_tape_bytes;        /* tapes on each GPU */
     size_t max_tapes_per_connection;
     size_t max_inflight_per_connection;
     size_t max_buffers_per_connection;       /* shared-memory buffers registered at once */

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include "../cuda/gpu.h"
 #include "../kernels/tensor.h"
 #include "config.h"
 #include "log.h"
@@ -25,10 +26,35 @@ int main(int argc, char **argv)
     }
     pb_log_level = cfg.log_level;
     pb_config_warn(&cfg);
-    if (cfg.device.kind != PB_DEV_CPU) {
+    char why[200] = "";
+    int ngpu = pb_gpu_init(why, sizeof why);
+    if (ngpu < 0) {
+        pb_log(PB_LOG_ERR, "%s", why);
+        return 2;
+    }
+    const char *whynot = "";
+    const pb_gpu_backend_t *real = ngpu == 0 ? pb__gpu_real(&whynot) : NULL;
+    if (real)
+        whynot = real->last_error(); /* the module's, from its count() */
+    if (ngpu == 0)
+        pb_log(PB_LOG_INFO, "no GPUs: %s", whynot);
+    else {
+        for (int g = 0; g < ngpu; g++) {
+            pb_gpu_info_t info = {.total_bytes = 0};
+            pb_gpu->info(g, &info);
+            pb_log(PB_LOG_INFO, "cuda:%d: %s, %zu MiB (%s backend)", g, info.name, info.total_bytes >> 20,
+                   pb_gpu->name);
+        }
+    }
+    if (cfg.device.kind != PB_DEV_CPU && cfg.device.index >= ngpu) {
         /* The flag or the file: say both where there is a file. */
-        pb_log(PB_LOG_ERR, "device cuda:%d (%s%s): this daemon has no CUDA devices (built without the CUDA backend)",
-               cfg.device.index, cfg.config_file[0] ? "--device, or device = in " : "--device", cfg.config_file);
+        const char *from = cfg.config_file[0] ? "--device, or device = in " : "--device";
+        if (ngpu == 0)
+            pb_log(PB_LOG_ERR, "device cuda:%d (%s%s): this daemon has no CUDA devices (%s)", cfg.device.index,
+                   from, cfg.config_file, whynot);
+        else
+            pb_log(PB_LOG_ERR, "device cuda:%d (%s%s): this daemon has %d GPU%s (cuda:0 to cuda:%d)",
+                   cfg.device.index, from, cfg.config_file, ngpu, ngpu == 1 ? "" : "s", ngpu - 1);
         return 1;
     }
     pb_alloc_init();

@@ -1,6 +1,7 @@
 #include "pool.h"
 
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -78,6 +79,27 @@ static void spin_for_work(pb_pool_t *p)
     }
 }
 
+/* Under the lock: run j outside it, counted in *busy, then hand it to
+ * the loop; returns with the lock held. */
+static void run_job(pb_pool_t *p, pb_job_t *j, int *busy)
+{
+    (*busy)++;
+    pthread_mutex_unlock(&p->lock);
+    uint64_t t0 = now_ns();
+    j->run(j);
+    atomic_fetch_add(&p->busy_ns, now_ns() - t0);
+    pthread_mutex_lock(&p->lock);
+    (*busy)--;
+    q_push(&p->finished, j);
+    pthread_mutex_unlock(&p->lock);
+    /* uv_async_send coalesces, so a burst of completions wakes the loop
+     * once.  Outside the lock: its write to the eventfd is a syscall (and
+     * a hypervisor exit on these VMs) that the loop's next submit should
+     * not wait behind. */
+    uv_async_send(&p->async);
+    pthread_mutex_lock(&p->lock);
+}
+
 static void *worker_main(void *arg)
 {
     pb_pool_t *p = arg;
@@ -110,23 +132,39 @@ static void *worker_main(void *arg)
             pthread_cond_wait(&p->cond, &p->lock);
             continue;
         }
-        p->busy++;
-        pthread_mutex_unlock(&p->lock);
-        uint64_t t0 = now_ns();
-        j->run(j);
-        atomic_fetch_add(&p->busy_ns, now_ns() - t0);
-        pthread_mutex_lock(&p->lock);
-        p->busy--;
-        q_push(&p->finished, j);
-        pthread_mutex_unlock(&p->lock);
-        /* uv_async_send coalesces, so a burst of completions wakes the
-         * loop once.  Outside the lock: its write to the eventfd is a
-         * syscall (and a hypervisor exit on these VMs) that the loop's
-         * next submit should not wait behind. */
-        uv_async_send(&p->async);
-        pthread_mutex_lock(&p->lock);
+        run_job(p, j, &p->busy);
     }
     pthread_mutex_unlock(&p->lock);
+    return NULL;
+}
+
+/* One GPU's worker: bound to its device, it runs that device's queue. */
+static void *gpu_worker_main(void *arg)
+{
+    pb_gpu_worker_t *w = arg;
+    pb_pool_t *p = w->pool;
+    int bound = pb_gpu->thread_init(w->dev);
+    if (bound)
+        pb_log(PB_LOG_ERR, "cuda:%d: a worker cannot bind to the device: %s", w->dev, pb_gpu->last_error());
+    pthread_mutex_lock(&p->lock);
+    p->started++;
+    if (bound)
+        p->bind_failed = true;
+    pthread_cond_broadcast(&p->cond);
+    pb_queue_t *q = &p->todo[1 + w->dev];
+    while (bound == 0) {
+        pb_job_t *j = q_pop(q);
+        if (j == NULL) {
+            if (p->stopping)
+                break;
+            pthread_cond_wait(&p->gcond[w->dev], &p->lock);
+            continue;
+        }
+        run_job(p, j, &p->gbusy);
+    }
+    pthread_mutex_unlock(&p->lock);
+    if (bound == 0)
+        pb_gpu->thread_fini();
     return NULL;
 }
 
@@ -144,7 +182,54 @@ static void on_async(uv_async_t *a)
     }
 }
 
-int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n)
+static void join_gpu_workers(pb_pool_t *p)
+{
+    for (int i = 0; i < p->ngworkers; i++)
+        pthread_join(p->gworkers[i].thread, NULL);
+    free(p->gworkers);
+    p->gworkers = NULL;
+    p->ngworkers = 0;
+}
+
+/* gpu_workers for each GPU; 0, or a PB_E* code with nothing of them left
+ * running. */
+static int start_gpu_workers(pb_pool_t *p, int gpu_workers)
+{
+    int ngpu = pb_gpu_count(), want = ngpu * gpu_workers;
+    if (want == 0)
+        return 0;
+    p->gworkers = calloc((size_t)want, sizeof *p->gworkers);
+    if (p->gworkers == NULL) {
+        pb_log(PB_LOG_ERR, "worker pool: out of memory for %d GPU workers", want);
+        return PB_ENOMEM;
+    }
+    int why = 0;
+    for (int i = 0; i < want; i++) {
+        pb_gpu_worker_t *w = &p->gworkers[i];
+        *w = (pb_gpu_worker_t){p, i / gpu_workers, 0};
+        if ((why = pthread_create(&w->thread, NULL, gpu_worker_main, w)) != 0)
+            break;
+        p->ngworkers++;
+    }
+    pthread_mutex_lock(&p->lock);
+    while (p->started < p->nthreads + p->ngworkers)
+        pthread_cond_wait(&p->cond, &p->lock);
+    bool failed = p->bind_failed || p->ngworkers < want;
+    if (failed)
+        p->stopping = true;
+    pthread_cond_broadcast(&p->cond);
+    for (int d = 0; d < ngpu; d++)
+        pthread_cond_broadcast(&p->gcond[d]);
+    pthread_mutex_unlock(&p->lock);
+    if (!failed)
+        return 0;
+    if (p->ngworkers < want)
+        pb_log(PB_LOG_ERR, "worker pool: cannot start a GPU worker: %s", uv_strerror(-why));
+    join_gpu_workers(p);
+    return why ? pb_err_from_sys(-why) : PB_EDEVICE_UNAVAILABLE;
+}
+
+int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n, int gpu_workers)
 {
     *p = (pb_pool_t){0};
     p->loop = loop;
@@ -158,6 +243,8 @@ int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n)
     p->async.data = p;
     pthread_mutex_init(&p->lock, NULL);
     pthread_cond_init(&p->cond, NULL);
+    for (int d = 0; d < PB_GPU_MAX_DEVICES; d++)
+        pthread_cond_init(&p->gcond[d], NULL);
     p->threads = calloc((size_t)n, sizeof *p->threads);
     if (p->threads == NULL) {
         pb_log(PB_LOG_ERR, "worker pool: out of memory for %d workers", n);
@@ -182,6 +269,12 @@ int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n)
     while (p->started < p->nthreads)
         pthread_cond_wait(&p->cond, &p->lock);
     pthread_mutex_unlock(&p->lock);
+    if ((rc = start_gpu_workers(p, gpu_workers))) {
+        /* The CPU workers saw stopping: they leave. */
+        for (int i = 0; i < p->nthreads; i++)
+            pthread_join(p->threads[i], NULL);
+        goto fail;
+    }
     pb_par_set_backend(&(pb_par_backend_t){par_idle, par_wake, p, p->nthreads});
     return 0;
 
@@ -190,6 +283,8 @@ fail:
      * loop's next run. */
     free(p->threads);
     p->threads = NULL;
+    for (int d = 0; d < PB_GPU_MAX_DEVICES; d++)
+        pthread_cond_destroy(&p->gcond[d]);
     pthread_cond_destroy(&p->cond);
     pthread_mutex_destroy(&p->lock);
     uv_close((uv_handle_t *)&p->async, NULL);
@@ -198,21 +293,22 @@ fail:
 
 void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job)
 {
+    bool gpu = dev.kind == PB_DEV_CUDA;
     pthread_mutex_lock(&p->lock);
-    q_push(&p->todo[dev.kind], job);
+    q_push(&p->todo[gpu ? 1 + dev.index : 0], job);
     atomic_fetch_add_explicit(&p->submitted, 1, memory_order_relaxed);
     pthread_mutex_unlock(&p->lock);
     /* After the unlock, so the worker it wakes does not block on the lock
      * at once; no wake-up is lost, since a worker checks the queue under
      * the lock before it waits. */
-    pthread_cond_signal(&p->cond);
+    pthread_cond_signal(gpu ? &p->gcond[dev.index] : &p->cond);
 }
 
 int pb_pool_running(pb_pool_t *p)
 {
     pthread_mutex_lock(&p->lock);
-    int n = p->busy;
-    for (int d = 0; d < 2; d++)
+    int n = p->busy + p->gbusy;
+    for (int d = 0; d < PB_POOL_QUEUES; d++)
         for (pb_job_t *j = p->todo[d].head; j; j = j->next)
             n++;
     pthread_mutex_unlock(&p->lock);
@@ -229,9 +325,12 @@ void pb_pool_stop(pb_pool_t *p)
     pthread_mutex_lock(&p->lock);
     p->stopping = true;
     pthread_cond_broadcast(&p->cond);
+    for (int d = 0; d < PB_GPU_MAX_DEVICES; d++)
+        pthread_cond_broadcast(&p->gcond[d]);
     pthread_mutex_unlock(&p->lock);
     for (int i = 0; i < p->nthreads; i++)
         pthread_join(p->threads[i], NULL);
+    join_gpu_workers(p);
     /* Only now: jobs still running (past a drain's timeout) read the
      * backend in each pb_par_for, and kernels/par.h allows no change while
      * tasks run.  A worker that has left lends nothing: its job's caller

@@ -13,8 +13,11 @@
  * so a lone request uses the idle cores and a loaded pool runs every
  * request on its own worker alone.
  *
- * Devices: one queue per device (CPU today; each GPU gets its own queue
- * and workers that hold that GPU's handles). */
+ * Devices: one queue per device.  The CPU's workers serve queue 0; each
+ * GPU (cuda/gpu.h) gets queue 1 + its ordinal and workers of its own,
+ * bound to it (its stream and library handles), so a request for a GPU
+ * never waits behind CPU work or another GPU's.  GPU workers lend nothing
+ * to kernels/par.c. */
 #ifndef PB_POOL_H
 #define PB_POOL_H
 
@@ -23,6 +26,7 @@
 #include <stdint.h>
 #include <uv.h>
 
+#include "../cuda/gpu.h"
 #include "../kernels/tensor.h"
 
 typedef struct pb_job {
@@ -35,28 +39,43 @@ typedef struct pb_queue {
     pb_job_t *head, *tail;
 } pb_queue_t;
 
+#define PB_POOL_QUEUES (1 + PB_GPU_MAX_DEVICES)
+
+/* A GPU worker's thread and the device it serves. */
+typedef struct pb_gpu_worker {
+    struct pb_pool *pool;
+    int dev;
+    pthread_t thread;
+} pb_gpu_worker_t;
+
 typedef struct pb_pool {
     uv_loop_t *loop;
     uv_async_t async;
     pthread_mutex_t lock;
-    pthread_cond_t cond;
-    pb_queue_t todo[2];   /* by pb_devkind_t */
+    pthread_cond_t cond;  /* CPU workers wait here */
+    pthread_cond_t gcond[PB_GPU_MAX_DEVICES]; /* each GPU's workers */
+    pb_queue_t todo[PB_POOL_QUEUES]; /* 0: the CPU, 1 + i: GPU i */
     pb_queue_t finished;
     pthread_t *threads;
     int nthreads;
     bool stopping;
-    int busy;             /* jobs taken by workers and not finished */
+    pb_gpu_worker_t *gworkers; /* owned like threads */
+    int ngworkers;
+    int busy;             /* jobs taken by CPU workers and not finished */
+    int gbusy;            /* and by GPU workers */
+    bool bind_failed;     /* a GPU worker could not bind at start */
     int helping;          /* idle workers running another job's pieces */
     _Atomic uint64_t busy_ns; /* time workers spent on jobs and pieces */
     int started;          /* workers that reached their loop */
     _Atomic unsigned submitted; /* jobs submitted so far: a spinning helper's signal */
 } pb_pool_t;
 
-/* Start n CPU workers (at least one) and wait until each is running.  0,
- * or a negative PB_E* code with the cause logged; on failure nothing is
- * left running, and the async handle's close completes on the loop's next
- * run. */
-int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n);
+/* Start n CPU workers (at least one) and gpu_workers for each GPU of
+ * pb_gpu_count(), and wait until each is running (a GPU worker: bound to
+ * its device).  0, or a negative PB_E* code with the cause logged; on
+ * failure nothing is left running, and the async handle's close completes
+ * on the loop's next run. */
+int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n, int gpu_workers);
 void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job);
 /* Jobs submitted and not finished: running on a worker or queued. */
 int pb_pool_running(pb_pool_t *p);

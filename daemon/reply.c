@@ -2,6 +2,10 @@
  * the request that computed it. */
 #include "reply.h"
 
+#include <stdio.h>
+
+#include "../cuda/gpu.h"
+
 #include "buffer.h"
 #include "catalogue.h"
 #include "rpc.h"
@@ -124,7 +128,7 @@ void pb__enc_hello(pb_req_t *r, pb_out_t *o)
     pb_out_str(o, "version");
     pb_out_str(o, PB_VERSION);
     pb_out_str(o, "devices");
-    pb_catalogue_devices(o, 1);
+    pb_catalogue_device_list(o);
     pb_out_str(o, "dtypes");
     pb_catalogue_dtypes(o, PB_DTYPES_ALL);
     pb_out_str(o, "limits");
@@ -181,12 +185,37 @@ void pb__enc_stats(pb_req_t *r, pb_out_t *o)
     pb_out_str(o, "uptime_s");
     msgpack_pack_double(&o->pk, (double)(uv_now(s->loop) - s->start_ms) / 1000.0);
     pb_out_str(o, "devices");
-    msgpack_pack_array(&o->pk, 1);
+    int ngpu = pb_gpu_count();
+    msgpack_pack_array(&o->pk, 1 + (size_t)ngpu);
     msgpack_pack_map(&o->pk, 2);
     pb_out_str(o, "name");
     pb_out_str(o, "cpu");
     pb_out_str(o, "memory_bytes");
     msgpack_pack_uint64(&o->pk, pb_config_phys_memory());
+    for (int g = 0; g < ngpu; g++) {
+        pb_gpu_info_t info = {.total_bytes = 0};
+        pb_gpu->info(g, &info);
+        char name[16];
+        snprintf(name, sizeof name, "cuda:%d", g);
+        msgpack_pack_map(&o->pk, 7);
+        pb_out_str(o, "name");
+        pb_out_str(o, name);
+        pb_out_str(o, "model");
+        pb_out_str(o, info.name);
+        pb_out_str(o, "memory_bytes");
+        msgpack_pack_uint64(&o->pk, info.total_bytes);
+        pb_out_str(o, "used_bytes");
+        msgpack_pack_uint64(&o->pk, pb_gpu->used(g));
+        pb_out_str(o, "tapes");
+        msgpack_pack_uint64(&o->pk, s->tapes.gpu_tapes[g]);
+        pb_out_str(o, "tape_bytes");
+        msgpack_pack_uint64(&o->pk, s->tapes.gpu_bytes[g]);
+        pb_out_str(o, "failed");
+        if (pb_gpu->failed(g))
+            msgpack_pack_true(&o->pk);
+        else
+            msgpack_pack_false(&o->pk);
+    }
     pb_out_str(o, "peers");
     msgpack_pack_array(&o->pk, npeers);
     for (size_t i = 0; i < s->tapes.npeers; i++) {

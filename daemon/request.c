@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../cuda/gpu.h"
 #include "buffer.h"
 
 #define DEFAULT_TTL_MS 600000u
@@ -57,9 +58,21 @@ int pb_request_device(const msgpack_object *params, pb_device_t dflt, pb_device_
     *dev = dflt;
     if (o && (o->type != MSGPACK_OBJECT_STR || pb_device_parse(o->via.str.ptr, o->via.str.size, dev)))
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "device", "device must be \"cpu\", \"cuda\" or \"cuda:N\"");
-    if (dev->kind != PB_DEV_CPU)
+    if (dev->kind == PB_DEV_CPU)
+        return 0;
+    int n = pb_gpu_count();
+    if (n == 0)
         return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device",
                           "device cuda:%d is not available: this daemon has no CUDA devices", dev->index);
+    if (dev->index >= n)
+        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device",
+                          "device cuda:%d is not available: this daemon has %d GPU%s (cuda:0 to cuda:%d)", dev->index,
+                          n, n == 1 ? "" : "s", n - 1);
+    if (pb_gpu->failed(dev->index))
+        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device",
+                          "device cuda:%d has failed (a sticky CUDA error; the daemon's log says which) and serves "
+                          "nothing until the daemon restarts",
+                          dev->index);
     return 0;
 }
 

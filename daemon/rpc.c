@@ -40,10 +40,11 @@ int pb_rpc_init(pb_rpc_t *r, uv_loop_t *loop, const pb_config_t *cfg, const pb_c
     *r = (pb_rpc_t){.loop = loop, .cfg = cfg, .conns = conns, .hooks = hooks};
     r->self_uid = getuid();
     r->start_ms = uv_now(loop);
-    int rc = pb_tapes_init(&r->tapes, cfg->max_tape_bytes, cfg->max_tape_bytes_per_uid);
+    int rc = pb_tapes_init(&r->tapes, cfg->max_tape_bytes, cfg->max_tape_bytes_per_uid,
+                           cfg->max_device_tape_bytes);
     if (rc)
         return rc;
-    if ((rc = pb_pool_init(&r->pool, loop, cfg->workers)))
+    if ((rc = pb_pool_init(&r->pool, loop, cfg->workers, cfg->gpu_workers)))
         goto fail;
     int n = 0;
     for (size_t i = 0; i < sizeof methods / sizeof methods[0] && n < PB_METRICS_MAX_METHODS; i++)

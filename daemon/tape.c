@@ -24,7 +24,7 @@ static uint64_t mix53(uint64_t x, uint64_t key)
     return x;
 }
 
-int pb_tapes_init(pb_tapes_t *t, size_t max_bytes, size_t max_bytes_per_uid)
+int pb_tapes_init(pb_tapes_t *t, size_t max_bytes, size_t max_bytes_per_uid, size_t max_bytes_per_device)
 {
     memset(t, 0, sizeof *t);
     uint64_t r[2];
@@ -36,6 +36,7 @@ int pb_tapes_init(pb_tapes_t *t, size_t max_bytes, size_t max_bytes_per_uid)
     t->buckets = calloc(t->nbuckets, sizeof *t->buckets);
     t->max_bytes = max_bytes;
     t->max_bytes_per_uid = max_bytes_per_uid;
+    t->max_bytes_per_device = max_bytes_per_device;
     return t->buckets ? 0 : PB_ENOMEM;
 }
 
@@ -83,7 +84,13 @@ const pb_peer_acct_t *pb_tapes_peer(const pb_tapes_t *t, uid_t uid)
     return peer((pb_tapes_t *)t, uid, false);
 }
 
-int pb_tapes_reserve(pb_tapes_t *t, uid_t uid, size_t bytes, pb_err_t *err)
+/* The GPU ordinal of a tape on dev, -1 for the CPU. */
+static int gpu_of(pb_device_t dev)
+{
+    return dev.kind == PB_DEV_CUDA ? dev.index : -1;
+}
+
+int pb_tapes_reserve(pb_tapes_t *t, uid_t uid, pb_device_t dev, size_t bytes, pb_err_t *err)
 {
     pb_peer_acct_t *p = peer(t, uid, true);
     if (p == NULL)
@@ -96,17 +103,26 @@ int pb_tapes_reserve(pb_tapes_t *t, uid_t uid, size_t bytes, pb_err_t *err)
         return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_tape_bytes_per_uid",
                           "the tape would need %zu bytes; uid %u holds %zu of max_tape_bytes_per_uid %zu", bytes,
                           (unsigned)uid, p->bytes + p->reserved, t->max_bytes_per_uid);
+    int g = gpu_of(dev);
+    if (g >= 0 && t->gpu_bytes[g] + t->gpu_reserved[g] + bytes > t->max_bytes_per_device)
+        return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_device_tape_bytes",
+                          "the tape would need %zu bytes; tapes on cuda:%d hold %zu of max_device_tape_bytes %zu",
+                          bytes, g, t->gpu_bytes[g] + t->gpu_reserved[g], t->max_bytes_per_device);
     p->reserved += bytes;
     t->reserved += bytes;
+    if (g >= 0)
+        t->gpu_reserved[g] += bytes;
     return 0;
 }
 
-void pb_tapes_unreserve(pb_tapes_t *t, uid_t uid, size_t bytes)
+void pb_tapes_unreserve(pb_tapes_t *t, uid_t uid, pb_device_t dev, size_t bytes)
 {
     pb_peer_acct_t *p = peer(t, uid, false);
     if (p)
         p->reserved -= bytes;
     t->reserved -= bytes;
+    if (gpu_of(dev) >= 0)
+        t->gpu_reserved[gpu_of(dev)] -= bytes;
 }
 
 static size_t bucket(const pb_tapes_t *t, uint64_t h)
@@ -142,7 +158,7 @@ pb_tape_t *pb_tapes_insert(pb_tapes_t *t, uid_t uid, size_t reserved, pb_tapedat
     pb_tape_t *tape = calloc(1, sizeof *tape);
     pb_peer_acct_t *p = peer(t, uid, true);
     size_t bytes = pb_tapedata_bytes(data);
-    pb_tapes_unreserve(t, uid, reserved);
+    pb_tapes_unreserve(t, uid, data->device, reserved);
     if (tape == NULL || p == NULL) {
         free(tape);
         return NULL;
@@ -164,6 +180,11 @@ pb_tape_t *pb_tapes_insert(pb_tapes_t *t, uid_t uid, size_t reserved, pb_tapedat
     t->bytes += bytes;
     p->tapes++;
     p->bytes += bytes;
+    int g = gpu_of(tape->data.device);
+    if (g >= 0) {
+        t->gpu_tapes[g]++;
+        t->gpu_bytes[g] += bytes;
+    }
     if (t->count > t->nbuckets)
         grow(t);
     return tape;
@@ -191,6 +212,11 @@ void pb_tapes_remove(pb_tapes_t *t, pb_tape_t *tape)
     if (p) {
         p->tapes--;
         p->bytes -= tape->bytes;
+    }
+    int g = gpu_of(tape->data.device);
+    if (g >= 0) {
+        t->gpu_tapes[g]--;
+        t->gpu_bytes[g] -= tape->bytes;
     }
     free_tape(tape);
 }

@@ -35,6 +35,7 @@
 #include <stdint.h>
 #include <sys/types.h>
 
+#include "../cuda/gpu.h"
 #include "../kernels/op.h"
 
 struct pb_tape;
@@ -80,17 +81,21 @@ typedef struct pb_tapes {
     uint64_t epoch, key, serial;
     size_t bytes, reserved;
     size_t max_bytes, max_bytes_per_uid;
+    /* The tapes held on each GPU (device memory), their bytes and bytes
+     * reserved, and the cap on each GPU's tape bytes. */
+    size_t gpu_tapes[PB_GPU_MAX_DEVICES], gpu_bytes[PB_GPU_MAX_DEVICES], gpu_reserved[PB_GPU_MAX_DEVICES];
+    size_t max_bytes_per_device;
     pb_peer_acct_t *peers;
     size_t npeers, cappeers;
 } pb_tapes_t;
 
-int pb_tapes_init(pb_tapes_t *t, size_t max_bytes, size_t max_bytes_per_uid);
+int pb_tapes_init(pb_tapes_t *t, size_t max_bytes, size_t max_bytes_per_uid, size_t max_bytes_per_device);
 /* Free every tape (waiters must be gone) and the table. */
 void pb_tapes_destroy(pb_tapes_t *t);
-/* Reserve bytes for a tape of uid: PB_ERESOURCE_EXHAUSTED naming the
- * limit, or 0. */
-int pb_tapes_reserve(pb_tapes_t *t, uid_t uid, size_t bytes, pb_err_t *err);
-void pb_tapes_unreserve(pb_tapes_t *t, uid_t uid, size_t bytes);
+/* Reserve bytes for a tape of uid on dev (a GPU's tapes count against its
+ * own cap too): PB_ERESOURCE_EXHAUSTED naming the limit, or 0. */
+int pb_tapes_reserve(pb_tapes_t *t, uid_t uid, pb_device_t dev, size_t bytes, pb_err_t *err);
+void pb_tapes_unreserve(pb_tapes_t *t, uid_t uid, pb_device_t dev, size_t bytes);
 /* Turn a reservation into a held tape moved from *data.  NULL on ENOMEM
  * (the reservation is dropped and data is left to the caller). */
 pb_tape_t *pb_tapes_insert(pb_tapes_t *t, uid_t uid, size_t reserved, pb_tapedata_t *data);

@@ -59,6 +59,12 @@
 #else
 #define PB_KERNEL_CLONES __attribute__((target_clones("avx2", "default")))
 #endif
+#ifdef __CUDACC__
+/* CUDA (cuda/real.cu): the same functions for host and device, through
+ * C++'s float and double overloads of exp, expm1, log1p, tanh, erfc, fabs
+ * and isinf, which CUDA gives device versions of (no libmvec, no tgmath). */
+#define PB_ACT_HD __host__ __device__
+#else
 PB_SIMD extern float expf(float);
 PB_SIMD extern double exp(double);
 PB_SIMD extern float expm1f(float);
@@ -71,6 +77,7 @@ PB_SIMD extern float erfcf(float);
 PB_SIMD extern double erfc(double);
 
 #include <tgmath.h>
+#endif
 
 #define PB_ACT_TABLE(X)            \
     X(IDENTITY, "identity", NONE)  \
@@ -113,6 +120,7 @@ extern const enum pb_act_src pb_act_src[PB_NACTS];
  * The masks are integer arithmetic on the bits, not selects: GCC folds a
  * select on the argument into the select on the result and then calls the
  * vector function on the raw argument for every lane, as before. */
+#ifndef __CUDACC__
 #define PB_ACT_GUARDS(T, I, IMAX, SFX, EXP_B, EXPM1_B, ERFC_B)                            \
     static inline I pb_act_bits##SFX(T x)                                             \
     {                                                                                 \
@@ -172,6 +180,27 @@ PB_ACT_GUARDS(double, int64_t, INT64_MAX, , -746.0, -710.0, 27.3)
 #define PB_ACT_EXP(x) _Generic((x), float: pb_act_expf, double: pb_act_exp)(x)
 #define PB_ACT_EXPM1N(x) _Generic((x), float: pb_act_expm1nf, double: pb_act_expm1n)(x)
 #define PB_ACT_ERFC(x) _Generic((x), float: pb_act_erfcf, double: pb_act_erfc)(x)
+#else
+/* The guards for CUDA: the same results as the C guards above, written as
+ * selects (the bit masks only serve libmvec).  For a number a (not NaN):
+ * exp gives 0 below its bound; expm1n gives -1 below its bound and +0 for
+ * a >= +0 (-0 keeps expm1(-0) = -0); erfc gives 0 above its bound.  NaN
+ * goes to the function.  The bounds are the C guards' (PB_ACT_GUARDS's
+ * arguments). */
+#define PB_ACT_DEVICE_GUARDS(T, EXP_B, EXPM1_B, ERFC_B)                        \
+    PB_ACT_HD static inline T pb_act_exp(T a) { return a < (T)(EXP_B) ? (T)0 : exp(a); } \
+    PB_ACT_HD static inline T pb_act_expm1n(T a)                               \
+    {                                                                          \
+        return a < (T)(EXPM1_B) ? (T)-1 : (a == a && !signbit(a)) ? (T)0 : expm1(a); \
+    }                                                                          \
+    PB_ACT_HD static inline T pb_act_erfc(T a) { return a > (T)(ERFC_B) ? (T)0 : erfc(a); }
+PB_ACT_DEVICE_GUARDS(float, -104.0, -88.0, 10.1)
+PB_ACT_DEVICE_GUARDS(double, -746.0, -710.0, 27.3)
+#undef PB_ACT_DEVICE_GUARDS
+#define PB_ACT_EXP(x) pb_act_exp(x)
+#define PB_ACT_EXPM1N(x) pb_act_expm1n(x)
+#define PB_ACT_ERFC(x) pb_act_erfc(x)
+#endif
 
 /* σ(z) and σ(-z) = 1 - σ(z) from one exp(-|z|), without overflow or
  * cancellation for either sign; e is exp(-|z|). */
@@ -240,10 +269,17 @@ PB_ACT_GUARDS(double, int64_t, INT64_MAX, , -746.0, -710.0, 27.3)
     default: return (T)1;                                                      \
     }
 
+#ifdef __CUDACC__
+PB_ACT_HD static inline float pb_act_valuef(int act, float z) { PB_ACT_VALUE_BODY(float) }
+PB_ACT_HD static inline double pb_act_value(int act, double z) { PB_ACT_VALUE_BODY(double) }
+PB_ACT_HD static inline float pb_act_derivf(int act, float s) { PB_ACT_DERIV_BODY(float) }
+PB_ACT_HD static inline double pb_act_deriv(int act, double s) { PB_ACT_DERIV_BODY(double) }
+#else
 static inline float pb_act_valuef(int act, float z) { PB_ACT_VALUE_BODY(float) }
 static inline double pb_act_value(int act, double z) { PB_ACT_VALUE_BODY(double) }
 static inline float pb_act_derivf(int act, float s) { PB_ACT_DERIV_BODY(float) }
 static inline double pb_act_deriv(int act, double s) { PB_ACT_DERIV_BODY(double) }
+#endif
 
 /* Run LOOP(A) with A the activation as a constant, so the activation's
  * switch folds away inside the loop. */

@@ -193,18 +193,21 @@ void pb_gemv_cm(pb_dtype_t d, char t, int m, int n, pb_scalar_t alpha, const voi
     pb_par_for(blocks, grain, gemv_piece, &g);
 }
 
+pb_gemm_plan_t pb_gemm_plan(pb_mview_t a, pb_mview_t b, pb_mview_t c)
+{
+    int k = (int)a.cols;
+    if (c.order == 'F')
+        return (pb_gemm_plan_t){a.order == 'F' ? 'N' : 'T', b.order == 'F' ? 'N' : 'T', (int)c.rows, (int)c.cols, k,
+                                ld(a), ld(b), ld(c), a.p, b.p, c.p};
+    return (pb_gemm_plan_t){b.order == 'C' ? 'N' : 'T', a.order == 'C' ? 'N' : 'T', (int)c.cols, (int)c.rows, k,
+                            ld(b), ld(a), ld(c), b.p, a.p, c.p};
+}
+
 void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta, pb_mview_t c)
 {
     pb_scalar_t al = {alpha, 0}, be = {beta, 0};
-    int k = (int)a.cols;
-    /* An F-ordered C is column-major as it is; a C-ordered one is the
-     * column-major Cᵀ = Bᵀ·Aᵀ over the same memory. */
-    if (c.order == 'F')
-        pb_gemm_cm(d, a.order == 'F' ? 'N' : 'T', b.order == 'F' ? 'N' : 'T', (int)c.rows, (int)c.cols, k, al, a.p,
-                   ld(a), b.p, ld(b), be, c.p, ld(c));
-    else
-        pb_gemm_cm(d, b.order == 'C' ? 'N' : 'T', a.order == 'C' ? 'N' : 'T', (int)c.cols, (int)c.rows, k, al, b.p,
-                   ld(b), a.p, ld(a), be, c.p, ld(c));
+    pb_gemm_plan_t g = pb_gemm_plan(a, b, c);
+    pb_gemm_cm(d, g.ta, g.tb, g.m, g.n, g.k, al, g.a, g.lda, g.b, g.ldb, be, g.c, g.ldc);
 }
 
 void pb__blas_lapack_linked(void);

@@ -27,6 +27,16 @@ static inline pb_mview_t pb_mview_t_(pb_mview_t v)
 /* The view of a rank-2 tensor, or of a rank-1 tensor as one column. */
 pb_mview_t pb_mview_of(const pb_tensor_t *t);
 
+/* c = a·b as one column-major GEMM: an F-ordered c as it is, a C-ordered
+ * one as cᵀ = bᵀ·aᵀ over the same memory. */
+typedef struct pb_gemm_plan {
+    char ta, tb;
+    int m, n, k, lda, ldb, ldc;
+    const void *a, *b;
+    void *c;
+} pb_gemm_plan_t;
+pb_gemm_plan_t pb_gemm_plan(pb_mview_t a, pb_mview_t b, pb_mview_t c);
+
 /* c = alpha·a·b + beta·c for views of dtype d (alpha, beta real). */
 void pb_gemm(pb_dtype_t d, double alpha, pb_mview_t a, pb_mview_t b, double beta, pb_mview_t c);
 

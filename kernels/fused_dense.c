@@ -9,8 +9,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cuda/gpu_ops.h"
 #include "act.h"
 #include "blas.h"
+#include "fused_dense.h"
 #include "op.h"
 #include "par.h"
 
@@ -102,6 +104,23 @@ static void act_split_run(act_split_t *a, pb_par_fn piece, bool dz)
         return;
     }
     pb_par_for(len, (long)(PAR_ELEMS / 2 / per) + 1, piece, a);
+}
+
+void pb_fused_dense_bias_act(int dtype, int act, void *y, void *zbuf, const void *b, size_t out, size_t batch,
+                             char order)
+{
+    bias_acts[dtype](act, y, zbuf, b, out, batch, order == 'C' ? batch : out, order);
+}
+
+void pb_fused_dense_dz(int dtype, int act, void *dz, const void *yb, const void *s, double *bsum, size_t out,
+                       size_t batch, char order)
+{
+    dz_passes[dtype](act, dz, yb, s, bsum, out, batch, order == 'C' ? batch : out, order);
+}
+
+void pb_fused_dense_store_bsum(int dtype, void *db, const double *bsum, size_t out)
+{
+    store_bsums[dtype](db, bsum, out);
 }
 
 static int validate(pb_call_t *c, pb_err_t *err)
@@ -278,8 +297,8 @@ const pb_op_t pb_op_fused_dense = {
     .wrt_names = wrt_names,
     .nwrt = 3,
     .dtypes = PB_DTYPES_REAL,
-    .devices = 1u << PB_DEV_CPU,
+    .devices = 1u << PB_DEV_CPU | 1u << PB_DEV_CUDA,
     .validate = validate,
-    .forward = {[PB_DEV_CPU] = forward_cpu},
-    .reverse = {[PB_DEV_CPU] = reverse_cpu},
+    .forward = {[PB_DEV_CPU] = forward_cpu, [PB_DEV_CUDA] = pb_gpu_fused_dense_forward},
+    .reverse = {[PB_DEV_CPU] = reverse_cpu, [PB_DEV_CUDA] = pb_gpu_fused_dense_reverse},
 };

@@ -53,7 +53,7 @@ unset ASAN_OPTIONS UBSAN_OPTIONS
 ninja -C build-tsan
 export TSAN_OPTIONS="halt_on_error=1 handle_sigbus=0 second_deadlock_stack=1"
 suite tsan -C build-tsan --suite e2e --suite load --suite python --print-errorlogs
-suite tsan -C build-tsan unit.pool unit.offloop unit.conn_budget --print-errorlogs
+suite tsan -C build-tsan unit.pool unit.offloop unit.conn_budget python.gpu cuda.fake --print-errorlogs
 unset TSAN_OPTIONS
 
 # 4. The unit suite once more under valgrind (memcheck).

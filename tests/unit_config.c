@@ -502,8 +502,9 @@ static void limits_from_table(void **state)
                                        "max_tapes_per_connection", "max_inflight_per_connection",
                                        "max_buffers_per_connection", "max_buffer_bytes_per_connection",
                                        "max_queued_bytes_per_connection", "max_buffered_bytes",
-                                       "max_buffered_bytes_per_uid", "max_connections_per_uid"};
-    assert_int_equal(n, 11);
+                                       "max_buffered_bytes_per_uid", "max_connections_per_uid",
+                                       "max_device_tape_bytes"};
+    assert_int_equal(n, 12);
     for (int i = 0; i < n; i++)
         assert_string_equal(lim[i].name, want[i]);
     assert_int_equal(lim[1].value, 3u << 20);

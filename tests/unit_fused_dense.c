@@ -7,17 +7,24 @@
  * the f64 forward (h = 1e-6), relative error in norm <= 1e-6; f32
  * gradients against the same f64 difference (the f32 rule measured
  * against the exact derivative), relative <= 2e-4; forward f64 <= 1e-13,
- * f32 <= 2e-6 relative to max|y| + 1. */
+ * f32 <= 2e-6 relative to max|y| + 1.
+ *
+ * With the argument "cuda" (meson: cuda.fused_dense) every test runs the
+ * op on cuda:0 of the GPU backend's host fake (cuda/fake.h) instead: the
+ * GPU op code against the same references, its results against the CPU
+ * op's, its tape in device memory only, and no device byte left behind. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <cmocka.h>
 
+#include "cuda/gpu.h"
 #include "kernels/act.h"
 #include "kernels/op.h"
 
@@ -58,6 +65,9 @@ static double at(const pb_tensor_t *t, size_t i, size_t j)
     return t->dtype == PB_F32 ? ((const float *)pb_tensor_data(t))[idx] : ((const double *)pb_tensor_data(t))[idx];
 }
 
+/* Where the op under test runs: the CPU, or cuda:0 of the fake. */
+static pb_device_t dev = {PB_DEV_CPU, 0};
+
 typedef struct {
     size_t out, in, batch; /* batch 0: vector x */
     int act;
@@ -68,12 +78,12 @@ typedef struct {
     double W[64], X[64], B[8], Yb[64];
 } fd_case_t;
 
-static void setup_call(pb_call_t *c, const fd_case_t *k, pb_dtype_t d, const double *W, const double *X,
-                       const double *B, bool taped)
+static void setup_call_on(pb_call_t *c, pb_device_t on, const fd_case_t *k, pb_dtype_t d, const double *W,
+                          const double *X, const double *B, bool taped)
 {
     memset(c, 0, sizeof *c);
     c->op = &pb_op_fused_dense;
-    c->device = (pb_device_t){PB_DEV_CPU, 0};
+    c->device = on;
     c->dtype = d;
     c->order = k->oy;
     c->taped = taped;
@@ -88,12 +98,50 @@ static void setup_call(pb_call_t *c, const fd_case_t *k, pb_dtype_t d, const dou
     assert_int_equal(pb_op_fused_dense.validate(c, &err), 0);
 }
 
+/* The call on the device under test. */
+static void setup_call(pb_call_t *c, const fd_case_t *k, pb_dtype_t d, const double *W, const double *X,
+                       const double *B, bool taped)
+{
+    setup_call_on(c, dev, k, d, W, X, B, taped);
+}
+
+/* On a GPU: the same call's result on the CPU agrees (relative to the
+ * largest element: 1e-12 f64, 1e-5 f32), and a tape holds device memory
+ * only. */
+static void same_as_cpu(const pb_tensor_t *got, const pb_tensor_t *cpu, const char *what)
+{
+    if (dev.kind == PB_DEV_CPU)
+        return;
+    assert_true(pb_tensor_same_shape(got, cpu));
+    assert_int_equal(got->storage->kind, PB_STORAGE_HEAP);
+    size_t rows = got->shape[0], cols = got->rank == 2 ? got->shape[1] : 1;
+    double big = 0, diff = 0;
+    for (size_t i = 0; i < rows; i++)
+        for (size_t j = 0; j < cols; j++) {
+            big = fmax(big, fabs(at(cpu, i, j)));
+            diff = fmax(diff, fabs(at(got, i, j) - at(cpu, i, j)));
+        }
+    if (diff > (got->dtype == PB_F32 ? 1e-5 : 1e-12) * fmax(big, 1e-300) && diff > 0)
+        fail_msg("%s: cuda:0 differs from the CPU by %g (largest %g)", what, diff, big);
+}
+
+static void tape_on_device(const pb_tapedata_t *t)
+{
+    if (dev.kind == PB_DEV_CPU)
+        return;
+    for (int i = 0; i < PB_MAX_SAVED; i++)
+        if (t->saved[i].storage) {
+            assert_int_equal(t->saved[i].storage->kind, PB_STORAGE_DEVICE);
+            assert_int_equal(t->saved[i].storage->device.kind, PB_DEV_CUDA);
+        }
+}
+
 /* L = Σ ȳ ⊙ f(W, x, b) in double precision. */
 static double loss(const fd_case_t *k, const double *W, const double *X, const double *B)
 {
     pb_call_t c;
     pb_err_t err;
-    setup_call(&c, k, PB_F64, W, X, B, false);
+    setup_call_on(&c, (pb_device_t){PB_DEV_CPU, 0}, k, PB_F64, W, X, B, false);
     assert_int_equal(pb_op_run_forward(&c, NULL, &err), 0);
     size_t nb = k->batch ? k->batch : 1;
     double l = 0;
@@ -167,6 +215,12 @@ static void run_case(fd_case_t *k)
     assert_int_equal(c.tape_bytes, expected_tape(k));
     assert_int_equal(pb_op_run_forward(&c, &tape, &err), 0);
     assert_int_equal(pb_tapedata_bytes(&tape), expected_tape(k));
+    tape_on_device(&tape);
+    pb_call_t ref;
+    pb_tapedata_t ref_tape;
+    setup_call_on(&ref, (pb_device_t){PB_DEV_CPU, 0}, k, k->d, k->W, k->X, k->B, true);
+    assert_int_equal(pb_op_run_forward(&ref, &ref_tape, &err), 0);
+    same_as_cpu(&c.out[0], &ref.out[0], "y");
 
     /* Forward against the naive reference. */
     double ymax = 0, yerr = 0;
@@ -197,6 +251,11 @@ static void run_case(fd_case_t *k)
     make(&cot[0], k->d, k->Yb, k->out, k->batch, (k->wrt & 1) ? k->oy : k->oy == 'C' ? 'F' : 'C');
     pb_warnings_t warn = {0};
     assert_int_equal(pb_op_run_reverse(&tape, cot, grad, k->oy, &warn, &err), 0);
+    pb_tensor_t ref_grad[PB_MAX_IO + 2] = {{0}};
+    assert_int_equal(pb_op_run_reverse(&ref_tape, cot, ref_grad, k->oy, &warn, &err), 0);
+    for (int a = 0; a < 3; a++)
+        if (k->wrt & (1u << a))
+            same_as_cpu(&grad[a], &ref_grad[a], pb_op_fused_dense.inputs[a].name);
 
     const double h = 1e-6;
     double *args[3] = {k->W, k->X, k->B};
@@ -231,11 +290,15 @@ static void run_case(fd_case_t *k)
                      k->d == PB_F32 ? "f32" : "f64", pb_op_fused_dense.inputs[a].name, k->ow, k->ox, k->oy, k->bias,
                      k->batch == 0, rel);
     }
-    for (int i = 0; i < PB_MAX_IO + 2; i++)
+    for (int i = 0; i < PB_MAX_IO + 2; i++) {
         pb_tensor_clear(&grad[i]);
+        pb_tensor_clear(&ref_grad[i]);
+    }
     pb_tensor_clear(&cot[0]);
     pb_tapedata_clear(&tape);
+    pb_tapedata_clear(&ref_tape);
     pb_call_clear(&c);
+    pb_call_clear(&ref);
 }
 
 static void fd_all(void **state)
@@ -302,6 +365,7 @@ static void zero_sizes(void **state)
         pb_err_t err;
         memset(&c, 0, sizeof c);
         c.op = &pb_op_fused_dense;
+        c.device = dev;
         c.dtype = PB_F64;
         c.order = 'C';
         c.taped = true;
@@ -383,11 +447,32 @@ static void nan_propagates(void **state)
     }
 }
 
-int main(void)
+/* After each test on a GPU: every device byte went back. */
+static int nothing_left(void **state)
 {
+    (void)state;
+    if (dev.kind == PB_DEV_CUDA && pb_gpu->used(0) != 0) {
+        fprintf(stderr, "cuda:0 still holds %zu bytes\n", pb_gpu->used(0));
+        return -1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+#define T(f) cmocka_unit_test_teardown(f, nothing_left)
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(fd_all),          cmocka_unit_test(empty_wrt),    cmocka_unit_test(zero_sizes),
-        cmocka_unit_test(missing_cotangent), cmocka_unit_test(nan_propagates),
+        T(fd_all), T(empty_wrt), T(zero_sizes), T(missing_cotangent), T(nan_propagates),
     };
+    if (argc > 1 && strcmp(argv[1], "cuda") == 0) {
+        char why[200];
+        setenv("PULLBACKD_FAKE_CUDA", "devices=1", 1);
+        if (pb_gpu_init(why, sizeof why) != 1 || pb_gpu->thread_init(0)) {
+            fprintf(stderr, "the fake GPU did not start: %s\n", why);
+            return 1;
+        }
+        dev = (pb_device_t){PB_DEV_CUDA, 0};
+        return cmocka_run_group_tests_name("cuda.fused_dense (the host fake's cuda:0)", tests, NULL, NULL);
+    }
     return cmocka_run_group_tests_name("unit.fused_dense", tests, NULL, NULL);
 }

@@ -13,6 +13,8 @@
 
 #include "daemon/tape.h"
 
+#define CPU ((pb_device_t){PB_DEV_CPU, 0})
+
 static pb_tapedata_t data_of(size_t bytes)
 {
     pb_tapedata_t d;
@@ -25,7 +27,7 @@ static pb_tapedata_t data_of(size_t bytes)
 static pb_tape_t *add(pb_tapes_t *t, uid_t uid, size_t bytes)
 {
     pb_err_t err;
-    if (pb_tapes_reserve(t, uid, bytes, &err))
+    if (pb_tapes_reserve(t, uid, CPU, bytes, &err))
         return NULL;
     pb_tapedata_t d = data_of(bytes);
     pb_tape_t *tape = pb_tapes_insert(t, uid, bytes, &d);
@@ -37,7 +39,7 @@ static void insert_find_remove(void **state)
 {
     (void)state;
     pb_tapes_t t;
-    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20), 0);
+    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20, SIZE_MAX), 0);
     pb_tape_t *a = add(&t, 1000, 400);
     pb_tape_t *b = add(&t, 1000, 800);
     assert_ptr_equal(pb_tapes_find(&t, a->handle), a);
@@ -59,7 +61,7 @@ static void no_reuse(void **state)
 {
     (void)state;
     pb_tapes_t t;
-    assert_int_equal(pb_tapes_init(&t, SIZE_MAX / 2, SIZE_MAX / 2), 0);
+    assert_int_equal(pb_tapes_init(&t, SIZE_MAX / 2, SIZE_MAX / 2, SIZE_MAX), 0);
     enum { N = 20000 };
     uint64_t *seen = malloc(N * sizeof *seen);
     pb_tape_t *live[64] = {0};
@@ -90,8 +92,8 @@ static void epochs(void **state)
 {
     (void)state;
     pb_tapes_t a, b;
-    assert_int_equal(pb_tapes_init(&a, 1 << 20, 1 << 20), 0);
-    assert_int_equal(pb_tapes_init(&b, 1 << 20, 1 << 20), 0);
+    assert_int_equal(pb_tapes_init(&a, 1 << 20, 1 << 20, SIZE_MAX), 0);
+    assert_int_equal(pb_tapes_init(&b, 1 << 20, 1 << 20, SIZE_MAX), 0);
     assert_true(a.epoch != b.epoch || a.key != b.key);
     uint64_t ha[100];
     for (int i = 0; i < 100; i++)
@@ -114,23 +116,23 @@ static void limits(void **state)
     (void)state;
     pb_tapes_t t;
     pb_err_t err;
-    assert_int_equal(pb_tapes_init(&t, 1000, 600), 0);
+    assert_int_equal(pb_tapes_init(&t, 1000, 600, SIZE_MAX), 0);
     assert_non_null(add(&t, 1, 400));
     /* Per uid: 400 held + 400 > 600. */
-    assert_int_equal(pb_tapes_reserve(&t, 1, 400, &err), PB_ERESOURCE_EXHAUSTED);
+    assert_int_equal(pb_tapes_reserve(&t, 1, CPU, 400, &err), PB_ERESOURCE_EXHAUSTED);
     assert_string_equal(err.arg, "max_tape_bytes_per_uid");
     /* Another uid may: 400 + 400 <= 1000 total. */
-    assert_int_equal(pb_tapes_reserve(&t, 2, 400, &err), 0);
+    assert_int_equal(pb_tapes_reserve(&t, 2, CPU, 400, &err), 0);
     /* Reservations count: 800 held or reserved, 300 more is over 1000. */
-    assert_int_equal(pb_tapes_reserve(&t, 3, 300, &err), PB_ERESOURCE_EXHAUSTED);
+    assert_int_equal(pb_tapes_reserve(&t, 3, CPU, 300, &err), PB_ERESOURCE_EXHAUSTED);
     assert_string_equal(err.arg, "max_tape_bytes");
-    pb_tapes_unreserve(&t, 2, 400);
-    assert_int_equal(pb_tapes_reserve(&t, 3, 300, &err), 0);
-    pb_tapes_unreserve(&t, 3, 300);
+    pb_tapes_unreserve(&t, 2, CPU, 400);
+    assert_int_equal(pb_tapes_reserve(&t, 3, CPU, 300, &err), 0);
+    pb_tapes_unreserve(&t, 3, CPU, 300);
     assert_int_equal(t.reserved, 0);
     /* A zero-byte tape always fits. */
-    assert_int_equal(pb_tapes_reserve(&t, 1, 0, &err), 0);
-    pb_tapes_unreserve(&t, 1, 0);
+    assert_int_equal(pb_tapes_reserve(&t, 1, CPU, 0, &err), 0);
+    pb_tapes_unreserve(&t, 1, CPU, 0);
     pb_tapes_destroy(&t);
 }
 
@@ -145,7 +147,7 @@ static void foreach_remove(void **state)
 {
     (void)state;
     pb_tapes_t t;
-    assert_int_equal(pb_tapes_init(&t, 1 << 30, 1 << 30), 0);
+    assert_int_equal(pb_tapes_init(&t, 1 << 30, 1 << 30, SIZE_MAX), 0);
     for (int i = 0; i < 3000; i++)
         add(&t, (uid_t)(i % 3), 8);
     visited = 0;
@@ -176,7 +178,7 @@ static void scopes_and_expiry(void **state)
     (void)state;
     pb_tapes_t t;
     pb_tape_list_t mine = {0}, other = {0};
-    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20), 0);
+    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20, SIZE_MAX), 0);
     pb_tape_t *c = held(&t, 7, &mine, false, 1000);
     pb_tape_t *p = held(&t, 7, &mine, true, 1000);
     uint64_t hc = c->handle, hp = p->handle;
@@ -223,7 +225,7 @@ static void waiters_in_order(void **state)
     (void)state;
     pb_tapes_t t;
     pb_tape_list_t mine = {0};
-    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20), 0);
+    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20, SIZE_MAX), 0);
     pb_tape_t *tape = held(&t, 7, &mine, false, 1000);
     tape->busy = true;
     waiter_t a = {.w.run = on_turn, .take = true}, b = {.w.run = on_turn, .take = true};
@@ -251,7 +253,7 @@ static void connection_closes(void **state)
     (void)state;
     pb_tapes_t t;
     pb_tape_list_t mine = {0};
-    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20), 0);
+    assert_int_equal(pb_tapes_init(&t, 1 << 20, 1 << 20, SIZE_MAX), 0);
     pb_tape_t *idle = held(&t, 7, &mine, false, 1000);
     pb_tape_t *busy = held(&t, 7, &mine, false, 1000);
     pb_tape_t *peer = held(&t, 7, &mine, true, 1000);

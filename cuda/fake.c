@@ -1,0 +1,471 @@
+/* The host fake of the GPU backend: fake.h says what it is and checks. */
+#define _GNU_SOURCE
+#include "fake.h"
+
+#include <cblas.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "../kernels/fused_dense.h"
+
+/* One allocation: the address handed out (PROT_NONE) and the shadow the
+ * fake reads and writes, two mappings of one memfd. */
+typedef struct fake_block {
+    int dev;
+    char *addr, *shadow;
+    size_t size, mapped;
+} fake_block_t;
+
+static struct {
+    pthread_mutex_t lock;
+    int ndev;
+    size_t memory;
+    long sticky_after; /* < 0: never */
+    atomic_long calls;
+    size_t used[PB_GPU_MAX_DEVICES];
+    atomic_int failed[PB_GPU_MAX_DEVICES];
+    fake_block_t *blocks; /* live allocations, unordered */
+    size_t nblocks, cap;
+} F = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static __thread int bound = -1; /* the calling worker's device */
+
+__attribute__((format(printf, 1, 2), noreturn)) static void fake_abort(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("fake CUDA: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    abort();
+}
+
+/* The block holding [p, p + n) on the bound device's memory, its shadow
+ * address of p; aborts otherwise.  NULL for n == 0. */
+static char *dev_ptr(const void *p, size_t n, const char *what)
+{
+    if (n == 0)
+        return NULL;
+    const char *c = p;
+    char *s = NULL;
+    pthread_mutex_lock(&F.lock);
+    for (size_t i = 0; i < F.nblocks; i++) {
+        const fake_block_t *b = &F.blocks[i];
+        if (c >= b->addr && c < b->addr + b->size) {
+            if ((size_t)(c - b->addr) > b->size - n || n > b->size)
+                fake_abort("%s: %zu bytes at %p run past the end of its allocation (%zu bytes at %p)", what, n, p,
+                           b->size, (void *)b->addr);
+            if (b->dev != bound)
+                fake_abort("%s: %p is memory of device %d, used on device %d", what, p, b->dev, bound);
+            s = b->shadow + (c - b->addr);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&F.lock);
+    if (s == NULL)
+        fake_abort("%s: %p is not device memory", what, p);
+    return s;
+}
+
+/* Aborts when [p, p + n) touches device memory. */
+static void host_ptr(const void *p, size_t n, const char *what)
+{
+    const char *c = p;
+    pthread_mutex_lock(&F.lock);
+    for (size_t i = 0; i < F.nblocks; i++) {
+        const fake_block_t *b = &F.blocks[i];
+        if (n && c < b->addr + b->mapped && c + n > b->addr)
+            fake_abort("%s: %p is device memory, given as host memory", what, p);
+    }
+    pthread_mutex_unlock(&F.lock);
+}
+
+static __thread char last[160];
+
+static int fail(int rc, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last, sizeof last, fmt, ap);
+    va_end(ap);
+    return rc;
+}
+
+/* Every stream call: a bound thread, a device that has not failed, and
+ * the sticky error when its turn comes. */
+static int stream_call(const char *what)
+{
+    if (bound < 0)
+        fake_abort("%s: called from a thread that thread_init did not bind", what);
+    if (atomic_load(&F.failed[bound]))
+        return fail(PB_EDEVICE_UNAVAILABLE, "%s: device %d has failed", what, bound);
+    long k = atomic_fetch_add(&F.calls, 1);
+    if (F.sticky_after >= 0 && k >= F.sticky_after) {
+        atomic_store(&F.failed[bound], 1);
+        return fail(PB_EDEVICE_UNAVAILABLE, "%s: an illegal address (injected: sticky_after=%ld)", what,
+                    F.sticky_after);
+    }
+    return 0;
+}
+
+static int fake_count(void)
+{
+    return F.ndev;
+}
+
+static int fake_info(int dev, pb_gpu_info_t *out)
+{
+    snprintf(out->name, sizeof out->name, "fake GPU %d", dev);
+    out->total_bytes = F.memory;
+    return 0;
+}
+
+static int fake_thread_init(int dev)
+{
+    if (dev < 0 || dev >= F.ndev)
+        fake_abort("thread_init: no device %d", dev);
+    bound = dev;
+    return 0;
+}
+
+static void fake_thread_fini(void)
+{
+    bound = -1;
+}
+
+static int fake_alloc(int dev, size_t bytes, void **p)
+{
+    if (dev < 0 || dev >= F.ndev)
+        fake_abort("alloc: no device %d", dev);
+    if (atomic_load(&F.failed[dev]))
+        return fail(PB_EDEVICE_UNAVAILABLE, "alloc: device %d has failed", dev);
+    if (bytes == 0) {
+        *p = NULL;
+        return 0;
+    }
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), mapped = (bytes + page - 1) / page * page;
+    pthread_mutex_lock(&F.lock);
+    bool room = F.used[dev] <= F.memory && bytes <= F.memory - F.used[dev];
+    if (room)
+        F.used[dev] += bytes;
+    pthread_mutex_unlock(&F.lock);
+    if (!room)
+        return fail(PB_ENOMEM, "alloc: %zu bytes past device %d's %zu", bytes, dev, F.memory);
+    int fd = memfd_create("pb-fake-gpu", MFD_CLOEXEC);
+    char *addr = MAP_FAILED, *shadow = MAP_FAILED;
+    if (fd >= 0 && ftruncate(fd, (off_t)mapped) == 0) {
+        addr = mmap(NULL, mapped, PROT_NONE, MAP_SHARED, fd, 0);
+        shadow = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    }
+    if (fd >= 0)
+        close(fd);
+    pthread_mutex_lock(&F.lock);
+    if (addr != MAP_FAILED && shadow != MAP_FAILED && F.nblocks == F.cap) {
+        size_t cap = F.cap ? 2 * F.cap : 64;
+        fake_block_t *nb = realloc(F.blocks, cap * sizeof *nb);
+        if (nb) {
+            F.blocks = nb;
+            F.cap = cap;
+        }
+    }
+    bool ok = addr != MAP_FAILED && shadow != MAP_FAILED && F.nblocks < F.cap;
+    if (ok)
+        F.blocks[F.nblocks++] = (fake_block_t){dev, addr, shadow, bytes, mapped};
+    else
+        F.used[dev] -= bytes;
+    pthread_mutex_unlock(&F.lock);
+    if (!ok) {
+        if (addr != MAP_FAILED)
+            munmap(addr, mapped);
+        if (shadow != MAP_FAILED)
+            munmap(shadow, mapped);
+        return fail(PB_ENOMEM, "alloc: no host memory for the fake's %zu bytes", bytes);
+    }
+    *p = addr;
+    return 0;
+}
+
+static void fake_free(int dev, void *p)
+{
+    if (p == NULL)
+        return;
+    fake_block_t b = {0};
+    bool found = false;
+    pthread_mutex_lock(&F.lock);
+    for (size_t i = 0; i < F.nblocks; i++)
+        if (F.blocks[i].addr == p) {
+            b = F.blocks[i];
+            F.blocks[i] = F.blocks[--F.nblocks];
+            F.used[b.dev] -= b.size;
+            found = true;
+            break;
+        }
+    pthread_mutex_unlock(&F.lock);
+    if (!found)
+        fake_abort("free: %p was not given by alloc, or was freed already", p);
+    if (b.dev != dev)
+        fake_abort("free: %p is memory of device %d, freed as device %d's", p, b.dev, dev);
+    munmap(b.addr, b.mapped);
+    munmap(b.shadow, b.mapped);
+}
+
+static size_t fake_used(int dev)
+{
+    pthread_mutex_lock(&F.lock);
+    size_t n = F.used[dev];
+    pthread_mutex_unlock(&F.lock);
+    return n;
+}
+
+static int fake_failed(int dev)
+{
+    return atomic_load(&F.failed[dev]);
+}
+
+static int fake_h2d(void *dst, const void *src, size_t n)
+{
+    int rc = stream_call("h2d");
+    if (rc)
+        return rc;
+    host_ptr(src, n, "h2d source");
+    if (n)
+        memcpy(dev_ptr(dst, n, "h2d destination"), src, n);
+    return 0;
+}
+
+static int fake_d2h(void *dst, const void *src, size_t n)
+{
+    int rc = stream_call("d2h");
+    if (rc)
+        return rc;
+    host_ptr(dst, n, "d2h destination");
+    if (n)
+        memcpy(dst, dev_ptr(src, n, "d2h source"), n);
+    return 0;
+}
+
+static int fake_zero(void *dst, size_t n)
+{
+    int rc = stream_call("zero");
+    if (rc)
+        return rc;
+    if (n)
+        memset(dev_ptr(dst, n, "zero"), 0, n);
+    return 0;
+}
+
+static int fake_sync(void)
+{
+    if (bound < 0)
+        fake_abort("sync: called from a thread that thread_init did not bind");
+    return atomic_load(&F.failed[bound]) ? fail(PB_EDEVICE_UNAVAILABLE, "sync: device failed") : 0;
+}
+
+static const size_t esize[4] = {4, 8, 8, 16};
+
+/* The shadow of a column-major rows × cols operand with leading dimension
+ * ld, after BLAS's checks. */
+static char *operand(const void *p, int rows, int cols, int ld, int dtype, const char *what)
+{
+    if (rows < 0 || cols < 0 || ld < (rows > 1 ? rows : 1))
+        fake_abort("gemm: %s is %d × %d with leading dimension %d", what, rows, cols, ld);
+    if (rows == 0 || cols == 0)
+        return NULL;
+    size_t extent = ((size_t)ld * (size_t)(cols - 1) + (size_t)rows) * esize[dtype];
+    return dev_ptr(p, extent, what);
+}
+
+static CBLAS_TRANSPOSE trans(char t)
+{
+    if (t != 'N' && t != 'T' && t != 'C')
+        fake_abort("gemm: transpose '%c'", t);
+    return t == 'N' ? CblasNoTrans : t == 'T' ? CblasTrans : CblasConjTrans;
+}
+
+static int fake_gemm(int dtype, char ta, char tb, int m, int n, int k, const double alpha[2], const void *a, int lda,
+                     const void *b, int ldb, const double beta[2], void *c, int ldc)
+{
+    int rc = stream_call("gemm");
+    if (rc)
+        return rc;
+    if (dtype < 0 || dtype > 3)
+        fake_abort("gemm: dtype %d", dtype);
+    CBLAS_TRANSPOSE tra = trans(ta), trb = trans(tb);
+    char *sa = operand(a, ta == 'N' ? m : k, ta == 'N' ? k : m, lda, dtype, "gemm A");
+    char *sb = operand(b, tb == 'N' ? k : n, tb == 'N' ? n : k, ldb, dtype, "gemm B");
+    char *sc = operand(c, m, n, ldc, dtype, "gemm C");
+    if (m == 0 || n == 0)
+        return 0;
+    float fa[2] = {(float)alpha[0], (float)alpha[1]}, fb[2] = {(float)beta[0], (float)beta[1]};
+    switch (dtype) {
+    case 0:
+        cblas_sgemm(CblasColMajor, tra, trb, m, n, k, fa[0], (float *)sa, lda, (float *)sb, ldb, fb[0], (float *)sc,
+                    ldc);
+        break;
+    case 1:
+        cblas_dgemm(CblasColMajor, tra, trb, m, n, k, alpha[0], (double *)sa, lda, (double *)sb, ldb, beta[0],
+                    (double *)sc, ldc);
+        break;
+    case 2:
+        cblas_cgemm(CblasColMajor, tra, trb, m, n, k, fa, sa, lda, sb, ldb, fb, sc, ldc);
+        break;
+    default:
+        cblas_zgemm(CblasColMajor, tra, trb, m, n, k, alpha, sa, lda, sb, ldb, beta, sc, ldc);
+    }
+    return 0;
+}
+
+static void real_dtype(int dtype, const char *what)
+{
+    if (dtype != 0 && dtype != 1)
+        fake_abort("%s: dtype %d is not f32 or f64", what, dtype);
+}
+
+static int fake_bias_act(int dtype, int act, void *y, void *zbuf, const void *b, size_t out, size_t batch,
+                         char order)
+{
+    int rc = stream_call("bias_act");
+    if (rc)
+        return rc;
+    real_dtype(dtype, "bias_act");
+    size_t n = out * batch * esize[dtype];
+    if (n == 0)
+        return 0;
+    pb_fused_dense_bias_act(dtype, act, dev_ptr(y, n, "bias_act y"), zbuf ? dev_ptr(zbuf, n, "bias_act z") : NULL,
+                            b ? dev_ptr(b, out * esize[dtype], "bias_act b") : NULL, out, batch, order);
+    return 0;
+}
+
+static int fake_dz(int dtype, int act, void *dz, const void *yb, const void *s, size_t out, size_t batch, char order)
+{
+    int rc = stream_call("dz");
+    if (rc)
+        return rc;
+    real_dtype(dtype, "dz");
+    size_t n = out * batch * esize[dtype];
+    if (n == 0)
+        return 0;
+    pb_fused_dense_dz(dtype, act, dev_ptr(dz, n, "dz"), dev_ptr(yb, n, "dz ȳ"), s ? dev_ptr(s, n, "dz s") : NULL,
+                      NULL, out, batch, order);
+    return 0;
+}
+
+static int fake_row_sum(int dtype, const void *dz, void *db, size_t out, size_t batch, char order)
+{
+    int rc = stream_call("row_sum");
+    if (rc)
+        return rc;
+    real_dtype(dtype, "row_sum");
+    if (out == 0)
+        return 0;
+    double *sum = calloc(out, sizeof *sum);
+    void *copy = malloc(out * batch * esize[dtype] + 1);
+    if (sum == NULL || copy == NULL) {
+        free(sum);
+        free(copy);
+        return fail(PB_ENOMEM, "row_sum: no host memory");
+    }
+    size_t n = out * batch * esize[dtype];
+    if (n)
+        memcpy(copy, dev_ptr(dz, n, "row_sum dz"), n);
+    /* The identity's dz pass over a copy: dz unchanged, its row sums. */
+    pb_fused_dense_dz(dtype, 0, copy, copy, NULL, sum, out, batch, order);
+    pb_fused_dense_store_bsum(dtype, dev_ptr(db, out * esize[dtype], "row_sum db"), sum, out);
+    free(sum);
+    free(copy);
+    return 0;
+}
+
+static const char *fake_last_error(void)
+{
+    return last;
+}
+
+static const pb_gpu_backend_t fake = {
+    .name = "fake",
+    .count = fake_count,
+    .info = fake_info,
+    .thread_init = fake_thread_init,
+    .thread_fini = fake_thread_fini,
+    .alloc = fake_alloc,
+    .free = fake_free,
+    .used = fake_used,
+    .failed = fake_failed,
+    .h2d = fake_h2d,
+    .d2h = fake_d2h,
+    .zero = fake_zero,
+    .sync = fake_sync,
+    .gemm = fake_gemm,
+    .bias_act = fake_bias_act,
+    .dz = fake_dz,
+    .row_sum = fake_row_sum,
+    .last_error = fake_last_error,
+};
+
+/* "123", "64M": bytes, false when it is not a number with an optional
+ * K/M/G suffix. */
+static bool parse_size(const char *s, size_t n, unsigned long long *out)
+{
+    char buf[32];
+    if (n == 0 || n >= sizeof buf)
+        return false;
+    memcpy(buf, s, n);
+    buf[n] = 0;
+    char *end;
+    unsigned long long v = strtoull(buf, &end, 10);
+    int shift = *end == 'K' ? 10 : *end == 'M' ? 20 : *end == 'G' ? 30 : 0;
+    if (end == buf || (shift && end[1]) || (!shift && *end) || v > (~0ULL >> shift))
+        return false;
+    *out = v << shift;
+    return true;
+}
+
+const pb_gpu_backend_t *pb__gpu_fake(const char *spec, char *msg, size_t len)
+{
+    pthread_mutex_lock(&F.lock);
+    bool busy = F.nblocks > 0;
+    pthread_mutex_unlock(&F.lock);
+    if (busy) {
+        snprintf(msg, len, "the fake GPU still holds allocations");
+        return NULL;
+    }
+    F.ndev = 1;
+    F.memory = 1ull << 30;
+    F.sticky_after = -1;
+    atomic_store(&F.calls, 0);
+    for (int d = 0; d < PB_GPU_MAX_DEVICES; d++) {
+        F.used[d] = 0;
+        atomic_store(&F.failed[d], 0);
+    }
+    for (const char *p = spec; *p;) {
+        size_t n = strcspn(p, ","), klen = strcspn(p, "=");
+        unsigned long long v;
+        if (klen >= n || !parse_size(p + klen + 1, n - klen - 1, &v)) {
+            snprintf(msg, len, "PULLBACKD_FAKE_CUDA: \"%.*s\" is not NAME=NUMBER", (int)n, p);
+            return NULL;
+        }
+        if (klen == 7 && !strncmp(p, "devices", 7) && v >= 1 && v <= PB_GPU_MAX_DEVICES)
+            F.ndev = (int)v;
+        else if (klen == 6 && !strncmp(p, "memory", 6))
+            F.memory = (size_t)v;
+        else if (klen == 12 && !strncmp(p, "sticky_after", 12) && v < (1ull << 62))
+            F.sticky_after = (long)v;
+        else {
+            snprintf(msg, len,
+                     "PULLBACKD_FAKE_CUDA: \"%.*s\": settings are devices=1..%d, memory=BYTES[K|M|G], sticky_after=N",
+                     (int)n, p, PB_GPU_MAX_DEVICES);
+            return NULL;
+        }
+        p += n + (p[n] == ',');
+    }
+    return &fake;
+}

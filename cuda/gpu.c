@@ -1,0 +1,137 @@
+/* The backend choice (gpu.h) and what the GPU ops share (gpu_ops.h). */
+#include <dlfcn.h>
+#include <libgen.h>
+#include <limits.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "fake.h"
+#include "gpu_ops.h"
+
+const pb_gpu_backend_t *pb_gpu;
+static int ndevices;
+
+#define MODULE "libpullbackd-cuda.so"
+
+const pb_gpu_backend_t *pb__gpu_real(const char **why)
+{
+    static bool tried;
+    static const pb_gpu_backend_t *backend;
+    static char whynot[300] = "the CUDA backend module " MODULE " was not found";
+    if (!tried) {
+        tried = true;
+        char here[PATH_MAX] = "", built[PATH_MAX + 32] = "";
+        ssize_t n = readlink("/proc/self/exe", here, sizeof here - 1);
+        if (n > 0) {
+            here[n] = 0;
+            snprintf(built, sizeof built, "%s/../cuda/" MODULE, dirname(here));
+        }
+        const char *paths[] = {getenv("PULLBACKD_CUDA_MODULE"), built, PB_CUDA_MODULE_DIR "/" MODULE};
+        for (size_t i = 0; i < sizeof paths / sizeof *paths && backend == NULL; i++) {
+            if (paths[i] == NULL || paths[i][0] == 0 || (i > 0 && access(paths[i], F_OK) != 0))
+                continue;
+            void *h = dlopen(paths[i], RTLD_NOW | RTLD_LOCAL);
+            pb_gpu_module_fn *fn = h ? (pb_gpu_module_fn *)dlsym(h, "pb__gpu_real_backend") : NULL;
+            if (fn)
+                backend = fn();
+            else
+                snprintf(whynot, sizeof whynot, "the CUDA backend module did not load: %s", dlerror());
+        }
+    }
+    if (why)
+        *why = whynot;
+    return backend;
+}
+
+int pb_gpu_init(char *msg, size_t len)
+{
+    const char *spec = getenv("PULLBACKD_FAKE_CUDA");
+    const pb_gpu_backend_t *b = spec ? pb__gpu_fake(spec, msg, len) : pb__gpu_real(NULL);
+    if (spec && b == NULL)
+        return PB_EINVALID_ARGUMENT;
+    int n = b ? b->count() : 0;
+    pb_gpu = n > 0 ? b : NULL;
+    ndevices = n > 0 ? n : 0;
+    return ndevices;
+}
+
+int pb_gpu_count(void)
+{
+    return ndevices;
+}
+
+static void device_free(pb_storage_t *s)
+{
+    pb_gpu->free(s->device.index, s->ptr);
+}
+
+int pb_gpu_tensor_alloc(pb_tensor_t *t, int dev, pb_dtype_t d, int rank, const uint64_t *shape, char order)
+{
+    size_t bytes;
+    if (!pb_shape_count(rank, shape, pb_dtype_size(d), NULL, &bytes))
+        return PB_ENOMEM;
+    void *p;
+    int rc = pb_gpu->alloc(dev, bytes, &p);
+    if (rc)
+        return rc;
+    pb_storage_t *s = pb_storage_wrap(PB_STORAGE_DEVICE, p, bytes, device_free, NULL);
+    if (s == NULL) {
+        pb_gpu->free(dev, p);
+        return PB_ENOMEM;
+    }
+    s->device = (pb_device_t){PB_DEV_CUDA, dev};
+    memset(t, 0, sizeof *t);
+    t->dtype = d;
+    t->rank = rank;
+    t->order = order == 'F' ? 'F' : 'C';
+    memcpy(t->shape, shape, (size_t)rank * sizeof *shape);
+    t->storage = s;
+    return 0;
+}
+
+int pb_gpu_upload(pb_tensor_t *dst, int dev, const pb_tensor_t *src)
+{
+    pb_tensor_t t;
+    int rc = pb_gpu_tensor_alloc(&t, dev, src->dtype, src->rank, src->shape, src->order);
+    if (rc == 0 && (rc = pb_gpu->h2d(pb_tensor_data(&t), pb_tensor_data(src), pb_tensor_bytes(src)))) {
+        pb_tensor_clear(&t);
+        return rc;
+    }
+    if (rc == 0)
+        *dst = t;
+    return rc;
+}
+
+int pb_gpu_download(pb_tensor_t *dst, const pb_tensor_t *src)
+{
+    pb_tensor_t t;
+    int rc = pb_tensor_alloc(&t, src->dtype, src->rank, src->shape, src->order, false);
+    if (rc == 0 && (rc = pb_gpu->d2h(pb_tensor_data(&t), pb_tensor_data(src), pb_tensor_bytes(src)))) {
+        pb_tensor_clear(&t);
+        return rc;
+    }
+    if (rc == 0)
+        *dst = t;
+    return rc;
+}
+
+int pb_gpu_gemm(pb_dtype_t d, pb_scalar_t alpha, pb_mview_t a, pb_mview_t b, pb_scalar_t beta, pb_mview_t c)
+{
+    pb_gemm_plan_t g = pb_gemm_plan(a, b, c);
+    double al[2] = {alpha.re, alpha.im}, be[2] = {beta.re, beta.im};
+    return pb_gpu->gemm((int)d, g.ta, g.tb, g.m, g.n, g.k, al, g.a, g.lda, g.b, g.ldb, be, g.c, g.ldc);
+}
+
+int pb_gpu_fail(pb_err_t *err, int rc, int dev, const char *what)
+{
+    const char *why = pb_gpu->last_error();
+    if (rc == PB_ENOMEM)
+        return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "device_memory",
+                          "%s: cuda:%d is out of memory (%zu bytes in use): %s", what, dev, pb_gpu->used(dev), why);
+    if (rc == PB_EDEVICE_UNAVAILABLE)
+        return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device", "%s: cuda:%d has failed: %s", what, dev, why);
+    return pb_err_set(err, rc, NULL, "%s on cuda:%d: %s", what, dev, why);
+}

@@ -1,0 +1,38 @@
+/* What the GPU ops share: device tensors, copies to and from the host, the
+ * GEMM on matrix views, and the translation of a backend's failure into
+ * the request's error.
+ *
+ * A device tensor is a pb_tensor_t whose storage is PB_STORAGE_DEVICE:
+ * its bytes live in one device's memory, owned by the storage, and go back
+ * to the device when the last reference goes (from any thread).  Only the
+ * backend reads them; pb_tensor_data gives the device address.  A GPU op
+ * runs on a worker bound to its device (daemon/pool.c), takes host
+ * tensors in and gives host tensors out; its tape holds device tensors
+ * only. */
+#ifndef PB_GPU_OPS_H
+#define PB_GPU_OPS_H
+
+#include "../kernels/blas.h"
+#include "../kernels/op.h"
+#include "gpu.h"
+
+/* A new uninitialised device tensor on dev.  0 or a PB_E* code. */
+int pb_gpu_tensor_alloc(pb_tensor_t *t, int dev, pb_dtype_t d, int rank, const uint64_t *shape, char order);
+/* A new device tensor on dev with host tensor src's bytes, in its order. */
+int pb_gpu_upload(pb_tensor_t *dst, int dev, const pb_tensor_t *src);
+/* A new host tensor with device tensor src's bytes, in its order; it is
+ * filled when the worker's stream is synchronised (pb_gpu->sync). */
+int pb_gpu_download(pb_tensor_t *dst, const pb_tensor_t *src);
+/* c = alpha·a·b + beta·c on the device (views of device tensors). */
+int pb_gpu_gemm(pb_dtype_t d, pb_scalar_t alpha, pb_mview_t a, pb_mview_t b, pb_scalar_t beta, pb_mview_t c);
+/* Fill err for a backend failure rc in `what` on device dev: device
+ * memory exhausted, the device failed, or the library's error. */
+int pb_gpu_fail(pb_err_t *err, int rc, int dev, const char *what);
+
+/* The ops' GPU functions, for the op table (kernels/op.h's forward and
+ * reverse by device kind). */
+int pb_gpu_fused_dense_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err);
+int pb_gpu_fused_dense_reverse(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_t *grad, char order,
+                               pb_warnings_t *warn, pb_err_t *err);
+
+#endif

@@ -1,0 +1,98 @@
+"""GPU against CPU through the daemon: every op the daemon serves on "cuda",
+every dtype, activation, memory order and wrt subset, the same inputs on
+cuda:0 and on the CPU; forward results and gradients must agree to relative
+error 1e-12 (f64) and 1e-5 (f32), measured against the largest element.
+
+Run against a daemon that has a GPU (tests/gpu/run.sh), or one started with
+PULLBACKD_FAKE_CUDA (then the agreement is exact).  Prints one line per op
+and dtype with the worst error, and exits 1 on any disagreement.
+
+  python3 tests/gpu/parity.py SOCKET
+"""
+
+import itertools
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "clients", "python"))
+import pullbackd  # noqa: E402
+
+TOL = {np.float64: 1e-12, np.float32: 1e-5}
+
+
+def rel(a, b):
+    scale = max(float(np.max(np.abs(b))) if b.size else 0.0, 1e-300)
+    return float(np.max(np.abs(a - b))) / scale if b.size else 0.0
+
+
+def fused_dense_cases(rng, dtype):
+    for act, order, vector, bias, shape in itertools.product(
+            ["identity", "relu", "leakyrelu", "sigmoid", "tanh", "gelu", "gelu_erf", "silu", "softplus", "elu"],
+            "CF", (False, True), (False, True), ((33, 17, 9), (256, 128, 64))):
+        out, inn, batch = shape
+        W = rng.standard_normal((out, inn)).astype(dtype)
+        if order == "F":
+            W = np.asfortranarray(W)
+        x = rng.standard_normal(inn if vector else (inn, batch)).astype(dtype)
+        inputs = {"weight": W, "x": x}
+        if bias:
+            inputs["bias"] = rng.standard_normal(out).astype(dtype)
+        yb = rng.standard_normal(out if vector else (out, batch)).astype(dtype)
+        wrts = [w for n in range(1, len(inputs) + 1) for w in itertools.combinations(inputs, n)]
+        yield f"{act} {order} vector={vector} bias={bias} {shape}", inputs, {"act": act}, {"y": yb}, order, wrts
+
+
+def sweep(path):
+    """The sweep against the daemon at path: 0, or 1 with the disagreements printed."""
+    with pullbackd.Client(path, timeout=120) as c:
+        return _sweep(c)
+
+
+def _sweep(c):
+    ops = c.ops()["ops"]
+    gpu_ops = sorted(name for name, op in ops.items() if "cuda" in op["devices"])
+    print("ops on cuda:", ", ".join(gpu_ops) or "none")
+    if not gpu_ops:
+        print("FAIL: the daemon serves no op on cuda")
+        return 1
+    rng = np.random.default_rng(2024)
+    bad = 0
+    makers = {"fused_dense": fused_dense_cases}
+    for name in gpu_ops:
+        if name not in makers:
+            print(f"FAIL: {name} is served on cuda and this sweep has no cases for it")
+            bad += 1
+            continue
+        for dtype in (np.float32, np.float64):
+            worst, n = 0.0, 0
+            for what, inputs, options, cot, order, wrts in makers[name](rng, dtype):
+                want_y = c.forward(name, inputs, options=options, order=order)
+                got_y = c.forward(name, inputs, options=options, order=order, device="cuda")
+                for k in want_y:
+                    e = rel(got_y[k], want_y[k])
+                    worst = max(worst, e)
+                    if e > TOL[dtype]:
+                        bad += 1
+                        print(f"FAIL {name} {dtype.__name__} {what}: forward {k} off by {e:.3g}")
+                for wrt in wrts:
+                    grads = []
+                    for dev in ("cpu", "cuda"):
+                        _, tape = c.augmented_forward(name, inputs, wrt=list(wrt), options=options, device=dev,
+                                                      order=order)
+                        grads.append(c.reverse(tape, cot, order=order))
+                    for k in wrt:
+                        e = rel(grads[1][k], grads[0][k])
+                        worst = max(worst, e)
+                        if e > TOL[dtype]:
+                            bad += 1
+                            print(f"FAIL {name} {dtype.__name__} {what} wrt {wrt}: {k} off by {e:.3g}")
+                    n += 1
+            print(f"{name} {dtype.__name__}: {n} forward+reverse pairs, worst relative error {worst:.3g}")
+    print("PASS" if bad == 0 else f"FAIL: {bad} disagreements")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(sweep(sys.argv[1]))

@@ -1,0 +1,229 @@
+"""The daemon's GPU service, through the GPU backend's host fake.
+
+The daemon is started with PULLBACKD_FAKE_CUDA (cuda/fake.h): its GPU
+workers, device tapes, budgets and errors run here as they would on a GPU,
+and the op code runs through the fake's checks.  The numbers are the fake's
+(the CPU's math), so GPU and CPU results must agree to rounding.
+
+Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_gpu.py
+"""
+
+import os
+import sys
+import time
+import unittest
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "clients", "python"))
+import pullbackd  # noqa: E402
+from pullbackd import PullbackError  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from daemon_case import DaemonCase  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "gpu"))
+import parity  # noqa: E402
+
+ACTS = ["identity", "relu", "leakyrelu", "sigmoid", "tanh", "gelu", "gelu_erf", "silu", "softplus", "elu"]
+TOL = {np.float64: dict(rtol=1e-12, atol=1e-13), np.float32: dict(rtol=1e-5, atol=1e-6)}
+
+
+class GpuCase(DaemonCase):
+    def setUp(self):
+        self.c = pullbackd.Client(self.path, timeout=30)
+        self.rng = np.random.default_rng(11)
+
+    def tearDown(self):
+        self.c.close()
+
+    def assertCode(self, code, fn, *args, **kw):
+        with self.assertRaises(PullbackError) as cm:
+            fn(*args, **kw)
+        self.assertEqual(cm.exception.code, code, f"{cm.exception}")
+        return cm.exception
+
+    def data(self, dtype=np.float64, out=5, inn=4, batch=3, vector=False):
+        W = self.rng.standard_normal((out, inn)).astype(dtype)
+        x = self.rng.standard_normal(inn if vector else (inn, batch)).astype(dtype)
+        b = self.rng.standard_normal(out).astype(dtype)
+        return W, x, b
+
+    def device(self, name):
+        return next(d for d in self.c.stats()["devices"] if d["name"] == name)
+
+    def wait_for(self, cond, what, timeout=5):
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                self.fail(f"not within {timeout} s: {what}")
+            time.sleep(0.01)
+
+
+class FakeGpu(GpuCase):
+    DAEMON_ENV = {"PULLBACKD_FAKE_CUDA": "devices=2,memory=64M"}
+    DAEMON_ARGS = ["--max-device-tape-bytes", "1M"]
+
+    def test_devices_in_hello_ops_and_stats(self):
+        h = self.c.hello()
+        self.assertEqual(h["devices"], ["cpu", "cuda:0", "cuda:1"])
+        self.assertEqual(h["limits"]["max_device_tape_bytes"], 1 << 20)
+        ops = self.c.ops()["ops"]
+        self.assertEqual(ops["fused_dense"]["devices"], ["cpu", "cuda"])
+        self.assertEqual(ops["qr_compact"]["devices"], ["cpu"])
+        devs = self.c.stats()["devices"]
+        self.assertEqual([d["name"] for d in devs], ["cpu", "cuda:0", "cuda:1"])
+        for d in devs[1:]:
+            self.assertEqual(d["model"][:8], "fake GPU")
+            self.assertEqual(d["memory_bytes"], 64 << 20)
+            self.assertEqual((d["used_bytes"], d["tapes"], d["tape_bytes"], d["failed"]), (0, 0, 0, False))
+
+    def test_fused_dense_as_on_the_cpu(self):
+        n = 0
+        for dtype in (np.float32, np.float64):
+            for act in ACTS:
+                for order in "CF":
+                    vector = act in ("gelu", "relu")
+                    W, x, b = self.data(dtype, vector=vector)
+                    if order == "F":
+                        W = np.asfortranarray(W)
+                    yb = self.rng.standard_normal(5 if vector else (5, 3)).astype(dtype)
+                    inputs = {"weight": W, "x": x, "bias": b}
+                    res = {}
+                    for dev in ("cpu", "cuda:1" if n % 2 else "cuda"):
+                        y, tape = self.c.augmented_forward("fused_dense", inputs, wrt=["weight", "x", "bias"],
+                                                           options={"act": act}, device=dev, order=order)
+                        res[dev[:4]] = (y["y"], self.c.reverse(tape, {"y": yb}, order=order))
+                    what = f"{dtype.__name__} {act} order {order}"
+                    np.testing.assert_allclose(res["cuda"][0], res["cpu"][0], **TOL[dtype], err_msg=what)
+                    for k in ("weight", "x", "bias"):
+                        self.assertEqual(res["cuda"][1][k].shape, inputs[k].shape)
+                        np.testing.assert_allclose(res["cuda"][1][k], res["cpu"][1][k], **TOL[dtype],
+                                                   err_msg=f"{what} {k}")
+                    y = self.c.forward("fused_dense", inputs, options={"act": act}, device="cuda:0")["y"]
+                    np.testing.assert_allclose(y, res["cpu"][0], **TOL[dtype], err_msg=what)
+                    n += 1
+
+    def test_parity_sweep(self):
+        """tests/gpu/parity.py, which run.sh runs on a real GPU, passes here."""
+        self.assertEqual(parity.sweep(self.path), 0)
+
+    def test_check_on_the_gpu(self):
+        for dtype, tol in ((np.float64, 1e-6), (np.float32, 1e-2)):
+            W, x, b = self.data(dtype)
+            r = self.c.check("fused_dense", {"weight": W, "x": x, "bias": b}, wrt=["weight", "x", "bias"],
+                             options={"act": "gelu"}, device="cuda")
+            self.assertLess(r["max_rel_err"], tol, dtype)
+
+    def test_tapes_live_in_device_memory(self):
+        W, x, b = self.data(out=16, inn=16, batch=8)
+        y, tape = self.c.augmented_forward("fused_dense", {"weight": W, "x": x, "bias": b}, wrt=["weight", "x"],
+                                           options={"act": "tanh"}, device="cuda:1")
+        # y (16×8) for tanh′, x for W̄, W for x̄.
+        self.assertEqual(tape.tape_bytes, 8 * (16 * 8 + 16 * 8 + 16 * 16))
+        d = self.device("cuda:1")
+        self.assertEqual((d["tapes"], d["tape_bytes"], d["used_bytes"]), (1, tape.tape_bytes, tape.tape_bytes))
+        self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
+        self.assertEqual(self.c.stats()["tape_bytes"], tape.tape_bytes)
+        self.c.reverse(tape, {"y": np.ones((16, 8))})
+        d = self.device("cuda:1")
+        self.assertEqual((d["tapes"], d["tape_bytes"], d["used_bytes"]), (0, 0, 0))
+        # Released, and dropped with the connection that made it.
+        y, tape = self.c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["x"], device="cuda:1")
+        self.assertTrue(self.c.release(tape))
+        self.assertEqual(self.device("cuda:1")["used_bytes"], 0)
+        with pullbackd.Client(self.path) as other:
+            kept = other.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["x"], device="cuda:1")
+            self.assertGreater(self.device("cuda:1")["used_bytes"], 0)
+        self.wait_for(lambda: self.device("cuda:1")["used_bytes"] == 0, "the closed connection's tape freed")
+        del kept
+
+    def test_device_tape_budget(self):
+        W, x, b = self.data(out=300, inn=300, batch=4)  # W is 703 KiB: one tape fits in 1 MiB
+        tapes = [self.c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["x"], device="cuda:0")[1]]
+        e = self.assertCode("resource_exhausted", self.c.augmented_forward, "fused_dense",
+                            {"weight": W, "x": x}, wrt=["x"], device="cuda:0")
+        self.assertEqual(e.details.get("limit"), "max_device_tape_bytes")
+        self.assertIn("cuda:0", e.message)
+        # Another GPU and the CPU have budgets of their own.
+        tapes.append(self.c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["x"], device="cuda:1")[1])
+        tapes.append(self.c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["x"], device="cpu")[1])
+        for t in tapes:
+            self.c.release(t)
+
+    def test_device_memory_exhausted(self):
+        W = np.ones((2048, 2048))  # 32 MiB, with x and y past the fake's 64 MiB
+        e = self.assertCode("resource_exhausted", self.c.forward, "fused_dense", {"weight": W, "x": np.ones((2048, 2048))},
+                            device="cuda:0")
+        self.assertEqual(e.details.get("limit"), "device_memory")
+        self.assertIn("cuda:0 is out of memory", e.message)
+        self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
+        self.assertFalse(self.device("cuda:0")["failed"])
+        y = self.c.forward("fused_dense", {"weight": W[:4, :4], "x": np.ones((4, 2))}, device="cuda:0")["y"]
+        np.testing.assert_array_equal(y, np.full((4, 2), 4.0))
+
+    def test_devices_not_served(self):
+        W, x, b = self.data()
+        e = self.assertCode("device_unavailable", self.c.forward, "fused_dense", {"weight": W, "x": x},
+                            device="cuda:2")
+        self.assertIn("2 GPUs (cuda:0 to cuda:1)", e.message)
+        self.assertCode("invalid_argument", self.c.forward, "fused_dense", {"weight": W, "x": x}, device="gpu")
+        e = self.assertCode("device_unavailable", self.c.forward, "qr_compact", {"A": W}, device="cuda")
+        self.assertIn("no implementation on this device", e.message)
+        with self.assertRaises(PullbackError) as cm:
+            self.c.call("register_buffer", {"size": 64, "device": "cuda:0"}, fds=[os.memfd_create("x")])
+        self.assertEqual(cm.exception.code, "device_unavailable")
+
+    def test_into_shared_memory(self):
+        W, x, b = self.data()
+        with self.c.shared_buffer(4096) as buf:
+            yt = buf.tensor(0, (5, 3), np.float64)
+            self.c.forward("fused_dense", {"weight": buf.put(512, W), "x": buf.put(1024, x), "bias": b},
+                           options={"act": "silu"}, device="cuda:0", into={"y": yt})
+            want = self.c.forward("fused_dense", {"weight": W, "x": x, "bias": b}, options={"act": "silu"})["y"]
+            np.testing.assert_allclose(buf.view(yt), want, **TOL[np.float64])
+            y, tape = self.c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["weight"], device="cuda:0")
+            gt = buf.tensor(2048, (5, 4), np.float64)
+            buf.array(2048, (5, 4), np.float64)[...] = 1.0
+            self.c.reverse(tape, {"y": np.ones((5, 3))}, into={"weight": gt}, accumulate=True)
+            np.testing.assert_allclose(buf.view(gt), 1.0 + np.ones((5, 3)) @ x.T, **TOL[np.float64])
+
+
+class FailedGpu(GpuCase):
+    # A forward without bias is 5 stream calls: the second one fails cuda:0.
+    DAEMON_ENV = {"PULLBACKD_FAKE_CUDA": "devices=2,sticky_after=7"}
+    DAEMON_ARGS = ["--log-level", "error"]
+
+    def test_a_failed_gpu_serves_nothing_and_the_rest_goes_on(self):
+        W, x, b = self.data()
+        y, tape = self.c.augmented_forward("fused_dense", {"weight": W, "x": x}, wrt=["weight"], device="cuda:0")
+        e = self.assertCode("device_unavailable", self.c.forward, "fused_dense", {"weight": W, "x": x},
+                            device="cuda:0")
+        self.assertIn("cuda:0 has failed", e.message)
+        self.assertTrue(self.device("cuda:0")["failed"])
+        self.assertEqual(self.c.hello()["devices"], ["cpu", "cuda:1"])
+        e = self.assertCode("device_unavailable", self.c.forward, "fused_dense", {"weight": W, "x": x},
+                            device="cuda:0")
+        self.assertIn("has failed", e.message)
+        self.assertCode("device_unavailable", self.c.reverse, tape, {"y": np.ones((5, 3))})
+        want = W @ x
+        np.testing.assert_allclose(self.c.forward("fused_dense", {"weight": W, "x": x})["y"], want,
+                                   **TOL[np.float64])
+        self.assertTrue(self.c.release(tape))
+
+
+class NoGpu(GpuCase):
+    DAEMON_ENV = {"CUDA_VISIBLE_DEVICES": ""}  # a real GPU, where there is one, hidden
+
+    def test_cpu_only(self):
+        self.assertEqual(self.c.hello()["devices"], ["cpu"])
+        self.assertEqual(self.c.ops()["ops"]["fused_dense"]["devices"], ["cpu"])
+        self.assertEqual([d["name"] for d in self.c.stats()["devices"]], ["cpu"])
+        W, x, b = self.data()
+        e = self.assertCode("device_unavailable", self.c.forward, "fused_dense", {"weight": W, "x": x},
+                            device="cuda")
+        self.assertIn("no CUDA devices", e.message)
+
+
+if __name__ == "__main__":
+    unittest.main()
