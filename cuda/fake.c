@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "../kernels/fused_dense.h"
+#include "../kernels/strided.h"
 
 /* One allocation: the address handed out (PROT_NONE) and the shadow the
  * fake reads and writes, two mappings of one memfd. */
@@ -385,6 +386,76 @@ static int fake_row_sum(int dtype, const void *dz, void *db, size_t out, size_t 
     return 0;
 }
 
+/* The shadow of operand o's elements over L: the span its strides reach
+ * from p, checked; and L's strides as kernels/strided.h's loop. */
+static char *loop_operand(const pb_gpu_loop_t *L, int o, const void *p, int dtype, const char *what)
+{
+    long long lo = 0, hi = 0;
+    for (int k = 0; k < L->rank; k++) {
+        if (L->dim[k] == 0)
+            return NULL; /* nothing is touched */
+        long long reach = (long long)(L->dim[k] - 1) * L->s[o][k];
+        if (reach < 0)
+            lo += reach;
+        else
+            hi += reach;
+    }
+    size_t es = esize[dtype];
+    char *s = dev_ptr((const char *)p + lo * (long long)es, (size_t)(hi - lo + 1) * es, what);
+    return s - lo * (long long)es;
+}
+
+static pb_loop_t host_loop(const pb_gpu_loop_t *g)
+{
+    pb_loop_t L;
+    memset(&L, 0, sizeof L);
+    if (g->rank < 0 || g->rank > PB_MAX_RANK)
+        fake_abort("strided: rank %d", g->rank);
+    L.rank = g->rank;
+    for (int k = 0; k < g->rank; k++) {
+        L.dim[k] = g->dim[k];
+        for (int o = 0; o < 3; o++)
+            L.s[o][k] = g->s[o][k];
+    }
+    return L;
+}
+
+static int fake_strided(int dtype, const pb_gpu_loop_t *g, void *dst, const void *src, int conj, const double alpha[2],
+                        const void *src2, const double beta[2], int accumulate)
+{
+    int rc = stream_call("strided");
+    if (rc)
+        return rc;
+    if (dtype < 0 || dtype > 3)
+        fake_abort("strided: dtype %d", dtype);
+    pb_loop_t L = host_loop(g);
+    bool reads_src = accumulate || alpha[0] != 0 || alpha[1] != 0;
+    char *d = loop_operand(g, 0, dst, dtype, "strided dst");
+    const char *s = reads_src ? loop_operand(g, 1, src, dtype, "strided src") : NULL;
+    const char *s2 = src2 && !accumulate ? loop_operand(g, 2, src2, dtype, "strided src2") : NULL;
+    if (d == NULL)
+        return 0; /* an empty loop */
+    pb__strided_host((pb_dtype_t)dtype, &L, d, s, conj, (pb_scalar_t){alpha[0], alpha[1]}, s2,
+                     (pb_scalar_t){beta[0], beta[1]}, accumulate);
+    return 0;
+}
+
+static int fake_dot(int dtype, const pb_gpu_loop_t *g, const void *a, int conj, const void *b, double out[2])
+{
+    int rc = stream_call("dot");
+    if (rc)
+        return rc;
+    if (dtype < 0 || dtype > 3)
+        fake_abort("dot: dtype %d", dtype);
+    host_ptr(out, 2 * sizeof *out, "dot result");
+    pb_loop_t L = host_loop(g);
+    const char *sa = loop_operand(g, 0, a, dtype, "dot a"), *sb = loop_operand(g, 1, b, dtype, "dot b");
+    pb_scalar_t r = sa ? pb__strided_dot_host((pb_dtype_t)dtype, &L, sa, conj, sb) : (pb_scalar_t){0, 0};
+    out[0] = r.re;
+    out[1] = r.im;
+    return 0;
+}
+
 static const char *fake_last_error(void)
 {
     return last;
@@ -408,6 +479,8 @@ static const pb_gpu_backend_t fake = {
     .bias_act = fake_bias_act,
     .dz = fake_dz,
     .row_sum = fake_row_sum,
+    .strided = fake_strided,
+    .dot = fake_dot,
     .last_error = fake_last_error,
 };
 

@@ -87,7 +87,8 @@ int pb_gpu_tensor_alloc(pb_tensor_t *t, int dev, pb_dtype_t d, int rank, const u
     t->dtype = d;
     t->rank = rank;
     t->order = order == 'F' ? 'F' : 'C';
-    memcpy(t->shape, shape, (size_t)rank * sizeof *shape);
+    if (rank > 0) /* a scalar may come with no shape array at all */
+        memcpy(t->shape, shape, (size_t)rank * sizeof *shape);
     t->storage = s;
     return 0;
 }
@@ -135,3 +136,4 @@ int pb_gpu_fail(pb_err_t *err, int rc, int dev, const char *what)
         return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device", "%s: cuda:%d has failed: %s", what, dev, why);
     return pb_err_set(err, rc, NULL, "%s on cuda:%d: %s", what, dev, why);
 }
+

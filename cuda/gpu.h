@@ -55,6 +55,16 @@ typedef struct pb_gpu_info {
     size_t total_bytes;  /* the device's memory */
 } pb_gpu_info_t;
 
+/* A strided pass's index space (kernels/strided.h's pb_loop_t, field for
+ * field): rank indices of sizes dim, and per operand the stride of each
+ * index in elements (negative and 0 allowed). */
+#define PB_GPU_MAX_RANK 16
+typedef struct pb_gpu_loop {
+    int rank;
+    unsigned long long dim[PB_GPU_MAX_RANK];
+    long long s[3][PB_GPU_MAX_RANK];
+} pb_gpu_loop_t;
+
 typedef struct pb_gpu_backend {
     const char *name; /* "cuda" or "fake" */
     /* Devices present (0 when none); called once at start. */
@@ -89,6 +99,20 @@ typedef struct pb_gpu_backend {
     /* Stream: db[i] = Σ_j dz[i, j], each row summed in double over j in
      * order (deterministic), stored in dtype. */
     int (*row_sum)(int dtype, const void *dz, void *db, size_t out, size_t batch, char order);
+    /* Stream: dst[i] = alpha·op(src[i]) + beta·src2[i] over L (strides
+     * s[0] dst, s[1] src, s[2] src2), op(x) = conj(x) when conj (complex
+     * dtypes); src2 NULL drops the beta term (src2 is not read).  dst may
+     * be src with the same strides.  With accumulate, dst[i] +=
+     * alpha·op(src[i]) (src2 unused) and dst strides may be 0: each dst
+     * element then sums its share of the indices in a fixed order (no
+     * atomics; the result does not depend on the launch).  alpha and beta
+     * as {re, im}. */
+    int (*strided)(int dtype, const pb_gpu_loop_t *L, void *dst, const void *src, int conj, const double alpha[2],
+                   const void *src2, const double beta[2], int accumulate);
+    /* Stream, then waits: out = Σ conj(op(a[i]))·b[i] over L (strides s[0]
+     * a, s[1] b), summed in double in a fixed order (deterministic); out
+     * is host memory, {re, im}. */
+    int (*dot)(int dtype, const pb_gpu_loop_t *L, const void *a, int conj, const void *b, double out[2]);
     /* The library's words on the calling thread's last failure. */
     const char *(*last_error)(void);
 } pb_gpu_backend_t;

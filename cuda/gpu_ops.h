@@ -29,6 +29,15 @@ int pb_gpu_gemm(pb_dtype_t d, pb_scalar_t alpha, pb_mview_t a, pb_mview_t b, pb_
  * memory exhausted, the device failed, or the library's error. */
 int pb_gpu_fail(pb_err_t *err, int rc, int dev, const char *what);
 
+/* An op whose CPU functions are written for both devices (cuda/exec.h):
+ * its GPU forward and reverse are these.  They move the inputs (the
+ * cotangents) to the call's device, run the op's CPU function there with
+ * the thread executing on that GPU, and bring the outputs (the gradients)
+ * back; its tape holds device tensors. */
+int pb_gpu_shared_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err);
+int pb_gpu_shared_reverse(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_t *grad, char order,
+                          pb_warnings_t *warn, pb_err_t *err);
+
 /* The ops' GPU functions, for the op table (kernels/op.h's forward and
  * reverse by device kind). */
 int pb_gpu_fused_dense_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err);

@@ -1,5 +1,6 @@
 /* The real GPU backend (cuda/gpu.h): the CUDA runtime, cuBLAS and our own
- * kernels for fused_dense.
+ * kernels for fused_dense, the strided passes and dot (see "strided passes"
+ * below).
  *
  * Devices.  count() asks cudaGetDeviceCount and nothing else, so a machine
  * without a driver or GPU makes no other CUDA call (cuBLAS handles leak
@@ -35,7 +36,8 @@
  * Workers.  thread_init binds the calling thread: a non-blocking stream,
  * a cuBLAS handle on it (pedantic math: no TF32 or emulation; host pointer
  * mode; a 32 MiB workspace from the pool, so cuBLAS does not cudaMalloc
- * its own), two events and an 8 MiB pinned staging buffer, all in
+ * its own), dot's 4 KiB scratch from the pool (neither counts in used()),
+ * two events and an 8 MiB pinned staging buffer, all in
  * thread-local state; thread_fini frees them.
  *
  * Copies.  Client memory is pageable: h2d and d2h go through the staging
@@ -106,6 +108,7 @@ struct worker_state {
     cudaStream_t stream;
     cublasHandle_t blas;
     void *workspace;
+    void *dot_scratch; /* dot's partials and result (DOT_SCRATCH bytes) */
     unsigned char *staging;
     cudaEvent_t ev[2];
 };
@@ -432,6 +435,334 @@ int launch_scale(void *c, int ldc, int m, int n, T beta, bool zero)
     return launched("gemm k=0 scale kernel launch");
 }
 
+/* ---- strided passes and dot (kernels/strided.c's pb_strided and
+ * pb_strided_dot) ----
+ *
+ * Elements.  Complex values are read and written as two scalars (cf, cd:
+ * the alignment of float/double complex in C), never as float2/double2,
+ * whose 8- or 16-byte accesses would fault on an operand that is only
+ * aligned to its real type.  The elementwise arithmetic rounds every
+ * product and sum by itself (__fmul_rn and friends: no FMA contraction),
+ * as the CPU build does (x86-64 without FMA), and multiplies complex
+ * numbers the textbook way, (ac - bd) + (ad + bc)i, as C's fast path does:
+ * finite results match the CPU bit for bit (C's recovery of infinities
+ * from NaN products is not reproduced).  alpha = 1 skips the product.
+ *
+ * The index space.  Size-1 indices are dropped.  An index with dst stride
+ * != 0 is "owned": one thread per dst element over the owned indices,
+ * innermost the smallest |dst stride| (coalesced writes), indices
+ * contiguous in every operand merged.  A dst stride 0 index is "reduced"
+ * under accumulate: the owning thread loads dst once, adds its terms in
+ * row-major order of the reduced indices (the last fastest), each sum
+ * rounded in the element type as the CPU's dst[i] += does (the CPU's walk
+ * may order those terms differently: f32 sums can differ in the last
+ * bits), and stores once.  Without accumulate a dst stride 0 index keeps
+ * the CPU's last write, the value at its last position.  Index math is
+ * 64-bit (32-bit division where the values fit). */
+
+struct cf {
+    float re, im;
+};
+struct cd {
+    double re, im;
+};
+
+__device__ __forceinline__ float e_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double e_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float e_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double e_add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ float e_sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ double e_sub(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ cf e_mul(cf a, cf b)
+{
+    return {e_sub(e_mul(a.re, b.re), e_mul(a.im, b.im)), e_add(e_mul(a.re, b.im), e_mul(a.im, b.re))};
+}
+__device__ __forceinline__ cd e_mul(cd a, cd b)
+{
+    return {e_sub(e_mul(a.re, b.re), e_mul(a.im, b.im)), e_add(e_mul(a.re, b.im), e_mul(a.im, b.re))};
+}
+__device__ __forceinline__ cf e_add(cf a, cf b) { return {e_add(a.re, b.re), e_add(a.im, b.im)}; }
+__device__ __forceinline__ cd e_add(cd a, cd b) { return {e_add(a.re, b.re), e_add(a.im, b.im)}; }
+__device__ __forceinline__ float e_conj(float a) { return a; }
+__device__ __forceinline__ double e_conj(double a) { return a; }
+__device__ __forceinline__ cf e_conj(cf a) { return {a.re, -a.im}; }
+__device__ __forceinline__ cd e_conj(cd a) { return {a.re, -a.im}; }
+
+/* A scalar {re, im} as T (the imaginary part dropped for real T). */
+template <typename T> T to_elem(const double s[2]);
+template <> float to_elem<float>(const double s[2]) { return (float)s[0]; }
+template <> double to_elem<double>(const double s[2]) { return s[0]; }
+template <> cf to_elem<cf>(const double s[2]) { return {(float)s[0], (float)s[1]}; }
+template <> cd to_elem<cd>(const double s[2]) { return {s[0], s[1]}; }
+
+/* The launch's index space: no owned indices (innermost first), then nr
+ * reduced ones (outermost first), n owned elements. */
+struct sloop {
+    int no, nr;
+    unsigned long long n;
+    unsigned long long dim[PB_GPU_MAX_RANK];
+    long long s[3][PB_GPU_MAX_RANK];
+};
+
+/* q = r / d, returns r % d. */
+__device__ __forceinline__ unsigned long long divmod(unsigned long long r, unsigned long long d,
+                                                     unsigned long long *q)
+{
+    if ((r | d) >> 32 == 0) {
+        unsigned r32 = (unsigned)r, d32 = (unsigned)d, q32 = r32 / d32;
+        *q = q32;
+        return r32 - q32 * d32;
+    }
+    *q = r / d;
+    return r - *q * d;
+}
+
+/* The offsets (nops operands) of owned element idx. */
+template <int NOPS>
+__device__ __forceinline__ void owned_offsets(const sloop &L, unsigned long long idx, long long off[3])
+{
+    for (int o = 0; o < NOPS; o++)
+        off[o] = 0;
+    for (int k = 0; k < L.no; k++) {
+        unsigned long long q, i = divmod(idx, L.dim[k], &q);
+        idx = q;
+        for (int o = 0; o < NOPS; o++)
+            off[o] += (long long)i * L.s[o][k];
+    }
+}
+
+/* dst = alpha·op(src) (+ beta·src2 with two); ZERO: dst = 0 (src and
+ * src2 not read).  Not __restrict__: dst may be src or src2. */
+template <typename T, bool ZERO>
+__global__ void k_strided_set(sloop L, T *dst, const T *src, const T *src2, T alpha, T beta, bool cj, bool one,
+                              bool two)
+{
+    GRID_STRIDE(idx, L.n)
+    {
+        long long off[3];
+        if constexpr (ZERO) {
+            owned_offsets<1>(L, idx, off);
+            dst[off[0]] = T();
+            continue;
+        }
+        owned_offsets<3>(L, idx, off);
+        T v = src[off[1]];
+        if (cj)
+            v = e_conj(v);
+        if (!one)
+            v = e_mul(alpha, v);
+        if (two)
+            v = e_add(v, e_mul(beta, src2[off[2]]));
+        dst[off[0]] = v;
+    }
+}
+
+/* dst += alpha·op(src), each owned element summing its reduced indices. */
+template <typename T>
+__global__ void k_strided_acc(sloop L, T *dst, const T *src, T alpha, bool cj, bool one)
+{
+    GRID_STRIDE(idx, L.n)
+    {
+        long long off[3];
+        owned_offsets<2>(L, idx, off);
+        T acc = dst[off[0]];
+        const T *sp = src + off[1];
+        unsigned long long cnt[PB_GPU_MAX_RANK];
+        for (int r = 0; r < L.nr; r++)
+            cnt[r] = 0;
+        for (;;) {
+            T v = *sp;
+            if (cj)
+                v = e_conj(v);
+            if (!one)
+                v = e_mul(alpha, v);
+            acc = e_add(acc, v);
+            int r = L.nr - 1;
+            for (; r >= 0; r--) { /* row-major: the last reduced index fastest */
+                int k = L.no + r;
+                if (++cnt[r] < L.dim[k]) {
+                    sp += L.s[1][k];
+                    break;
+                }
+                cnt[r] = 0;
+                sp -= (long long)(L.dim[k] - 1) * L.s[1][k];
+            }
+            if (r < 0)
+                break;
+        }
+        dst[off[0]] = acc;
+    }
+}
+
+/* dot: a fixed grid, whatever the device, so the order of the sums (and
+ * so the result) is the same everywhere.  Each thread sums its share
+ * (indices tid, tid + DOT_BLOCKS·THREADS, ...) in double, each block
+ * reduces its threads in shared memory in a fixed tree and writes its
+ * partial; one block then sums the partials the same way. */
+constexpr unsigned DOT_BLOCKS = 256;
+constexpr size_t DOT_SCRATCH = (DOT_BLOCKS + 1) * sizeof(cd); /* the partials, then the result */
+
+__device__ __forceinline__ cd dot_term(float a, float b, bool) { return {(double)a * (double)b, 0}; }
+__device__ __forceinline__ cd dot_term(double a, double b, bool) { return {a * b, 0}; }
+/* conj(op(a))·b: op(a) = conj(a) when cj, and conj(conj(a)) is a. */
+__device__ __forceinline__ cd dot_term(cd a, cd b, bool cj)
+{
+    double ai = cj ? a.im : -a.im;
+    return {a.re * b.re - ai * b.im, a.re * b.im + ai * b.re};
+}
+__device__ __forceinline__ cd dot_term(cf a, cf b, bool cj)
+{
+    return dot_term(cd{a.re, a.im}, cd{b.re, b.im}, cj);
+}
+
+/* Sum sh[0 .. THREADS) into sh[0] in a fixed tree; all threads call it. */
+__device__ __forceinline__ void block_sum(cd *sh)
+{
+    for (unsigned w = THREADS / 2; w > 0; w /= 2) {
+        __syncthreads();
+        if (threadIdx.x < w) {
+            sh[threadIdx.x].re += sh[threadIdx.x + w].re;
+            sh[threadIdx.x].im += sh[threadIdx.x + w].im;
+        }
+    }
+    __syncthreads();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(THREADS) k_dot(sloop L, const T *a, const T *b, bool cj, cd *part)
+{
+    __shared__ cd sh[THREADS];
+    cd sum = {0, 0};
+    GRID_STRIDE(idx, L.n)
+    {
+        long long off[3];
+        owned_offsets<2>(L, idx, off);
+        cd t = dot_term(a[off[0]], b[off[1]], cj);
+        sum.re += t.re;
+        sum.im += t.im;
+    }
+    sh[threadIdx.x] = sum;
+    block_sum(sh);
+    if (threadIdx.x == 0)
+        part[blockIdx.x] = sh[0];
+}
+
+__global__ void __launch_bounds__(THREADS) k_dot_final(cd *part)
+{
+    __shared__ cd sh[THREADS];
+    cd sum = {0, 0};
+    for (unsigned i = threadIdx.x; i < DOT_BLOCKS; i += THREADS) {
+        sum.re += part[i].re;
+        sum.im += part[i].im;
+    }
+    sh[threadIdx.x] = sum;
+    block_sum(sh);
+    if (threadIdx.x == 0)
+        part[DOT_BLOCKS] = sh[0];
+}
+
+long long mag(long long x) { return x < 0 ? -x : x; }
+
+/* Plan L's index space for a launch (see above): nops operands in use;
+ * with reduce, indices of operand 0 stride 0 become reduced ones, else
+ * every index is owned (without it, a stride-0 index of operand 0 is
+ * fixed at its last position when fix is not NULL: fix[o] gets the
+ * offsets).  Returns 1 when the space is empty, 0, or PB_EINTERNAL. */
+int plan(const pb_gpu_loop_t *L, int nops, bool reduce, long long *fix, sloop *P, const char *what)
+{
+    if (!L || L->rank < 0 || L->rank > PB_GPU_MAX_RANK)
+        return internal(what, "bad loop rank");
+    memset(P, 0, sizeof *P);
+    for (int k = 0; k < L->rank; k++)
+        if (L->dim[k] == 0)
+            return 1;
+    int red[PB_GPU_MAX_RANK], nr = 0;
+    for (int k = 0; k < L->rank; k++) {
+        if (L->dim[k] == 1)
+            continue;
+        if (L->s[0][k] == 0 && reduce) {
+            red[nr++] = k;
+            continue;
+        }
+        if (L->s[0][k] == 0 && fix) {
+            for (int o = 1; o < 3; o++)
+                fix[o] += (long long)(L->dim[k] - 1) * L->s[o][k];
+            continue;
+        }
+        /* insert by |stride| of operand 0, then 1 (stable) */
+        int j = P->no++;
+        for (; j > 0; j--) {
+            long long a0 = mag(P->s[0][j - 1]), b0 = mag(L->s[0][k]);
+            long long a1 = mag(P->s[1][j - 1]), b1 = mag(L->s[1][k]);
+            if (a0 < b0 || (a0 == b0 && a1 <= b1))
+                break;
+            P->dim[j] = P->dim[j - 1];
+            for (int o = 0; o < 3; o++)
+                P->s[o][j] = P->s[o][j - 1];
+        }
+        P->dim[j] = L->dim[k];
+        for (int o = 0; o < 3; o++)
+            P->s[o][j] = o < nops ? L->s[o][k] : 0;
+    }
+    /* merge owned indices contiguous in every operand */
+    int r = 0;
+    for (int k = 1; k < P->no; k++) {
+        bool merge = true;
+        for (int o = 0; o < nops; o++)
+            merge = merge && P->s[o][k] == P->s[o][r] * (long long)P->dim[r];
+        unsigned long long m;
+        if (merge && !__builtin_mul_overflow(P->dim[r], P->dim[k], &m)) {
+            P->dim[r] = m;
+            continue;
+        }
+        r++;
+        P->dim[r] = P->dim[k];
+        for (int o = 0; o < 3; o++)
+            P->s[o][r] = P->s[o][k];
+    }
+    if (P->no > 0)
+        P->no = r + 1;
+    P->n = 1;
+    for (int k = 0; k < P->no; k++)
+        if (__builtin_mul_overflow(P->n, P->dim[k], &P->n))
+            return internal(what, "too many elements");
+    P->nr = nr;
+    for (int q = 0; q < nr; q++) {
+        P->dim[P->no + q] = L->dim[red[q]];
+        for (int o = 0; o < 3; o++)
+            P->s[o][P->no + q] = o < nops ? L->s[o][red[q]] : 0;
+    }
+    return 0;
+}
+
+template <typename T>
+int launch_strided(const sloop &P, void *dst, const void *src, const void *src2, const double alpha[2],
+                   const double beta[2], bool cj, bool one, bool acc, bool zero)
+{
+    unsigned g = blocks_for(P.n);
+    T al = to_elem<T>(alpha), be = src2 ? to_elem<T>(beta) : T();
+    if (acc)
+        k_strided_acc<T><<<g, THREADS, 0, t_w.stream>>>(P, (T *)dst, (const T *)src, al, cj, one);
+    else if (zero)
+        k_strided_set<T, true><<<g, THREADS, 0, t_w.stream>>>(P, (T *)dst, nullptr, nullptr, al, be, false, true,
+                                                              false);
+    else
+        k_strided_set<T, false><<<g, THREADS, 0, t_w.stream>>>(P, (T *)dst, (const T *)src, (const T *)src2, al, be,
+                                                               cj, one, src2 != nullptr);
+    return launched("strided kernel launch");
+}
+
+template <typename T>
+int launch_dot(const sloop &P, const void *a, const void *b, bool cj, cd *part)
+{
+    k_dot<T><<<DOT_BLOCKS, THREADS, 0, t_w.stream>>>(P, (const T *)a, (const T *)b, cj, part);
+    int rc = launched("dot kernel launch");
+    if (rc)
+        return rc;
+    k_dot_final<<<1, THREADS, 0, t_w.stream>>>(part);
+    return launched("dot final kernel launch");
+}
+
 /* ---- the backend ---- */
 
 int real_count(void)
@@ -475,6 +806,8 @@ void worker_release(worker_state &w)
         (void)cublasDestroy(w.blas);
     if (w.workspace)
         (void)cudaFreeAsync(w.workspace, w.stream);
+    if (w.dot_scratch)
+        (void)cudaFreeAsync(w.dot_scratch, w.stream);
     if (w.stream) {
         (void)cudaStreamSynchronize(w.stream);
         (void)cudaStreamDestroy(w.stream);
@@ -497,6 +830,7 @@ int worker_make(int dev, worker_state &w)
         CK(dev, cudaEventCreateWithFlags(&ev, cudaEventDisableTiming | cudaEventBlockingSync));
     CK(dev, cudaMallocHost((void **)&w.staging, STAGING_BYTES));
     CK(dev, cudaMallocFromPoolAsync(&w.workspace, WORKSPACE_BYTES, g_dev[dev].pool, w.stream));
+    CK(dev, cudaMallocFromPoolAsync(&w.dot_scratch, DOT_SCRATCH, g_dev[dev].pool, w.stream));
     CK(dev, cudaStreamSynchronize(w.stream));
     BK(dev, cublasCreate(&w.blas));
     /* cublasSetStream resets the workspace: stream first. */
@@ -833,30 +1167,117 @@ int real_row_sum(int dtype, const void *dz, void *db, size_t out, size_t batch, 
     return launched("row_sum kernel launch");
 }
 
+int real_strided(int dtype, const pb_gpu_loop_t *L, void *dst, const void *src, int conj, const double alpha[2],
+                 const void *src2, const double beta[2], int accumulate)
+{
+    int rc = worker_check("strided");
+    if (rc)
+        return rc;
+    if (dtype < 0 || dtype > 3 || !L || !alpha)
+        return internal("strided", "bad dtype, loop or alpha");
+    bool complex = dtype >= 2, acc = accumulate != 0, cj = complex && conj;
+    if (acc)
+        src2 = nullptr;
+    if (src2 && !beta)
+        return internal("strided", "src2 without beta");
+    pb_gpu_loop_t tmp;
+    const double *al = alpha;
+    bool zero = false;
+    if (alpha[0] == 0 && (!complex || alpha[1] == 0) && !acc) {
+        /* As the CPU (and BLAS): alpha = 0 does not read src, so its NaNs
+         * do not propagate: dst = beta·src2 (as alpha·src2), or zeros. */
+        if (src2) {
+            tmp = *L;
+            for (int k = 0; k < tmp.rank && k < PB_GPU_MAX_RANK; k++)
+                tmp.s[1][k] = tmp.s[2][k];
+            L = &tmp;
+            src = src2;
+            al = beta;
+            src2 = nullptr;
+            cj = false;
+        } else {
+            zero = true;
+        }
+    }
+    sloop P;
+    long long fix[3] = {0, 0, 0};
+    rc = plan(L, zero ? 1 : src2 ? 3 : 2, acc, acc ? nullptr : fix, &P, "strided");
+    if (rc)
+        return rc < 0 ? rc : 0;
+    bool one = al[0] == 1 && (!complex || al[1] == 0);
+    size_t item = (size_t)4 << (dtype == 0 ? 0 : dtype == 3 ? 2 : 1);
+    if (src && !zero)
+        src = (const char *)src + fix[1] * (long long)item;
+    if (src2)
+        src2 = (const char *)src2 + fix[2] * (long long)item;
+    switch (dtype) {
+    case 0: return launch_strided<float>(P, dst, src, src2, al, beta, cj, one, acc, zero);
+    case 1: return launch_strided<double>(P, dst, src, src2, al, beta, cj, one, acc, zero);
+    case 2: return launch_strided<cf>(P, dst, src, src2, al, beta, cj, one, acc, zero);
+    default: return launch_strided<cd>(P, dst, src, src2, al, beta, cj, one, acc, zero);
+    }
+}
+
+int real_dot(int dtype, const pb_gpu_loop_t *L, const void *a, int conj, const void *b, double out[2])
+{
+    int rc = worker_check("dot");
+    if (rc)
+        return rc;
+    if (dtype < 0 || dtype > 3 || !L || !out)
+        return internal("dot", "bad dtype, loop or out");
+    sloop P;
+    rc = plan(L, 2, false, nullptr, &P, "dot");
+    if (rc < 0)
+        return rc;
+    if (rc == 1) { /* empty: 0, once the stream's work is done */
+        out[0] = out[1] = 0;
+        return real_sync();
+    }
+    cd *part = (cd *)t_w.dot_scratch;
+    bool cj = dtype >= 2 && conj;
+    switch (dtype) {
+    case 0: rc = launch_dot<float>(P, a, b, cj, part); break;
+    case 1: rc = launch_dot<double>(P, a, b, cj, part); break;
+    case 2: rc = launch_dot<cf>(P, a, b, cj, part); break;
+    default: rc = launch_dot<cd>(P, a, b, cj, part); break;
+    }
+    if (rc)
+        return rc;
+    cd r;
+    rc = real_d2h(&r, part + DOT_BLOCKS, sizeof r); /* waits for the stream */
+    if (rc)
+        return rc;
+    out[0] = r.re;
+    out[1] = r.im;
+    return 0;
+}
+
 const char *real_last_error(void)
 {
     return t_err;
 }
 
 const pb_gpu_backend_t real_backend = {
-    "cuda",
-    real_count,
-    real_info,
-    real_thread_init,
-    real_thread_fini,
-    real_alloc,
-    real_free,
-    real_used,
-    real_failed,
-    real_h2d,
-    real_d2h,
-    real_zero,
-    real_sync,
-    real_gemm,
-    real_bias_act,
-    real_dz,
-    real_row_sum,
-    real_last_error,
+    .name = "cuda",
+    .count = real_count,
+    .info = real_info,
+    .thread_init = real_thread_init,
+    .thread_fini = real_thread_fini,
+    .alloc = real_alloc,
+    .free = real_free,
+    .used = real_used,
+    .failed = real_failed,
+    .h2d = real_h2d,
+    .d2h = real_d2h,
+    .zero = real_zero,
+    .sync = real_sync,
+    .gemm = real_gemm,
+    .bias_act = real_bias_act,
+    .dz = real_dz,
+    .row_sum = real_row_sum,
+    .strided = real_strided,
+    .dot = real_dot,
+    .last_error = real_last_error,
 };
 
 } /* namespace */

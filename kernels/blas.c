@@ -3,6 +3,7 @@
 #include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include "../cuda/exec.h"
 #include "cmplx.h"
 
 #include "op.h"
@@ -105,6 +106,10 @@ void pb_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t
 {
     if (m == 0 || n == 0 || (unsigned)d >= PB_NDTYPES)
         return;
+    if (pb_exec_gpu() >= 0) {
+        pb__exec_gemm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return;
+    }
     double madds = (double)m * n * (k ? k : 1);
     int threads = pb_par_threads();
     if (madds >= PAR_MADDS && threads >= 2) {

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cuda/exec.h"
 #include "blas.h"
 #include "strided.h"
 
@@ -152,9 +153,19 @@ static void loop_set(pb_loop_t *L, int slot, const int64_t *st1, int n1, const i
         L->s[slot][n1 + i] = st2[i];
 }
 
+/* Scratch of n items on the execution device (cuda/exec.h), freed by
+ * scratch_free. */
 static void *scratch(size_t n, size_t item)
 {
-    return pb_mem_alloc((n ? n : 1) * item);
+    return pb_exec_gpu() >= 0 ? pb_exec_alloc(n * item) : pb_mem_alloc((n ? n : 1) * item);
+}
+
+static void scratch_free(void *p)
+{
+    if (pb_exec_gpu() >= 0)
+        pb_exec_free(p);
+    else
+        pb_mem_free(p);
 }
 
 int pb_contract(pb_dtype_t d, const pb_cspec_t *s, pb_scalar_t alpha, const pb_tview_t *A, bool conjA,
@@ -288,8 +299,8 @@ int pb_contract(pb_dtype_t d, const pb_cspec_t *s, pb_scalar_t alpha, const pb_t
 nomem:
     rc = PB_ENOMEM;
 done:
-    pb_mem_free(ab);
-    pb_mem_free(bb);
-    pb_mem_free(mb);
+    scratch_free(ab);
+    scratch_free(bb);
+    scratch_free(mb);
     return rc;
 }

@@ -148,7 +148,7 @@ int pb_tape_keep(pb_tensor_t *dst, const pb_tensor_t *src)
     pb_tensor_ref(dst, src);
     const pb_storage_t *s = src->storage;
     size_t bytes = pb_tensor_bytes(src);
-    if (s->kind == PB_STORAGE_HEAP && src->offset == 0 && s->size == bytes)
+    if ((s->kind == PB_STORAGE_HEAP || s->kind == PB_STORAGE_DEVICE) && src->offset == 0 && s->size == bytes)
         return 0;
     if (s->kind == PB_STORAGE_VIEW && bytes >= s->size / 2)
         return 0;

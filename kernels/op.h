@@ -183,7 +183,7 @@ void pb_tapedata_init(pb_tapedata_t *t, const pb_call_t *c);
 void pb_tapedata_clear(pb_tapedata_t *t);
 size_t pb_tapedata_bytes(const pb_tapedata_t *t);
 /* dst: a tensor the tape may keep: a reference when src already owns
- * exactly its bytes on the heap, or when it lies in a received message
+ * exactly its bytes on the heap or in device memory, or when it lies in a received message
  * (daemon memory that nothing writes once parsed, refcounted) and is at
  * least half of it: the tape then co-owns the message and holds at most
  * twice the bytes it accounts for, and a big input is not copied.  Else a

@@ -1,5 +1,6 @@
 #include "strided.h"
 
+#include "../cuda/exec.h"
 #include "cmplx.h"
 #include "par.h"
 #include <stdlib.h>
@@ -274,6 +275,15 @@ static void split_piece(void *ctx, long lo, long hi)
 void pb_strided(pb_dtype_t d, const pb_loop_t *in, void *dst, const void *src, bool conj, pb_scalar_t alpha,
                 const void *src2, pb_scalar_t beta, bool accumulate)
 {
+    if (pb_exec_gpu() >= 0)
+        pb__exec_strided(d, in, dst, src, conj, alpha, src2, beta, accumulate);
+    else
+        pb__strided_host(d, in, dst, src, conj, alpha, src2, beta, accumulate);
+}
+
+void pb__strided_host(pb_dtype_t d, const pb_loop_t *in, void *dst, const void *src, bool conj, pb_scalar_t alpha,
+                      const void *src2, pb_scalar_t beta, bool accumulate)
+{
     pb_loop_t L;
     int t;
     static const double complex zero = 0; /* one zero element of any dtype */
@@ -320,6 +330,13 @@ void pb_strided(pb_dtype_t d, const pb_loop_t *in, void *dst, const void *src, b
 
 pb_scalar_t pb_strided_dot(pb_dtype_t d, const pb_loop_t *in, const void *a, bool conj, const void *b)
 {
+    if (pb_exec_gpu() >= 0)
+        return pb__exec_dot(d, in, a, conj, b);
+    return pb__strided_dot_host(d, in, a, conj, b);
+}
+
+pb_scalar_t pb__strided_dot_host(pb_dtype_t d, const pb_loop_t *in, const void *a, bool conj, const void *b)
+{
     pb_loop_t L;
     int t;
     pb_scalar_t r = {0, 0};
@@ -333,6 +350,8 @@ pb_scalar_t pb_strided_dot(pb_dtype_t d, const pb_loop_t *in, const void *a, boo
 void pb_tensor_zero(pb_tensor_t *t)
 {
     size_t n = pb_tensor_bytes(t);
-    if (n)
+    if (n && pb_exec_gpu() >= 0)
+        pb__exec_zero(pb_tensor_data(t), n);
+    else if (n)
         memset(pb_tensor_data(t), 0, n);
 }

@@ -52,7 +52,10 @@ static inline void pb_loop_swap01(pb_loop_t *L)
 /* Element strides of a dense tensor of this rank/shape in order 'C' or 'F'. */
 void pb_dense_strides(int rank, const uint64_t *shape, char order, int64_t *stride);
 
-/* dst[i] = alpha·op(src[i]) + beta·src2[i] over L (strides s[0] dst,
+/* On the thread's execution device (cuda/exec.h): the host, or the GPU
+ * whose op runs this code.
+ *
+ * dst[i] = alpha·op(src[i]) + beta·src2[i] over L (strides s[0] dst,
  * s[1] src, s[2] src2); src2 NULL drops the beta term (its values are not
  * read).  dst may be src when their strides agree (in place).  With
  * accumulate, dst[i] += alpha·op(src[i]) instead (src2 unused), and dst
@@ -64,6 +67,12 @@ void pb_strided(pb_dtype_t d, const pb_loop_t *L, void *dst, const void *src, bo
  * double precision: the inner product ⟨op(a), b⟩ of the gradient
  * convention. */
 pb_scalar_t pb_strided_dot(pb_dtype_t d, const pb_loop_t *L, const void *a, bool conj, const void *b);
+
+/* pb_strided and pb_strided_dot on host memory whatever the thread's
+ * execution device (cuda/exec.h): the host fake's device passes. */
+void pb__strided_host(pb_dtype_t d, const pb_loop_t *L, void *dst, const void *src, bool conj, pb_scalar_t alpha,
+                      const void *src2, pb_scalar_t beta, bool accumulate);
+pb_scalar_t pb__strided_dot_host(pb_dtype_t d, const pb_loop_t *L, const void *a, bool conj, const void *b);
 
 /* Fill a tensor's bytes with zeros. */
 void pb_tensor_zero(pb_tensor_t *t);

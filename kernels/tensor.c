@@ -1,5 +1,7 @@
 #include "tensor.h"
 
+#include "../cuda/exec.h"
+
 #include <complex.h>
 #include <malloc.h>
 #include <stdint.h>
@@ -158,6 +160,8 @@ int pb_tensor_alloc(pb_tensor_t *t, pb_dtype_t d, int rank, const uint64_t *shap
     size_t bytes;
     if (rank < 0 || rank > PB_MAX_RANK || !pb_shape_count(rank, shape, pb_dtype_size(d), NULL, &bytes))
         return PB_EINVALID_ARGUMENT;
+    if (pb_exec_gpu() >= 0)
+        return pb__exec_tensor_alloc(t, d, rank, shape, order, zero);
     pb_storage_t *s = pb_storage_new(bytes, zero);
     if (s == NULL)
         return PB_ENOMEM;
@@ -199,6 +203,8 @@ bool pb_tensor_aligned(const pb_tensor_t *t)
 
 int pb_tensor_make_owned(pb_tensor_t *t)
 {
+    if (pb_exec_gpu() >= 0)
+        return pb__exec_make_owned(t);
     size_t bytes = pb_tensor_bytes(t);
     pb_storage_t *s = pb_storage_new(bytes, false);
     if (s == NULL)

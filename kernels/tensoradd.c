@@ -140,8 +140,8 @@ const pb_op_t pb_op_tensoradd = {
     .wrt_names = pb__tops_t1_wrt,
     .nwrt = 4,
     .dtypes = PB_DTYPES_ALL,
-    .devices = 1u << PB_DEV_CPU,
+    .devices = 1u << PB_DEV_CPU | 1u << PB_DEV_CUDA,
     .validate = ta_validate,
-    .forward = {[PB_DEV_CPU] = ta_forward},
-    .reverse = {[PB_DEV_CPU] = ta_reverse},
+    .forward = {[PB_DEV_CPU] = ta_forward, [PB_DEV_CUDA] = pb_gpu_shared_forward},
+    .reverse = {[PB_DEV_CPU] = ta_reverse, [PB_DEV_CUDA] = pb_gpu_shared_reverse},
 };

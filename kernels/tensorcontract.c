@@ -390,8 +390,8 @@ const pb_op_t pb_op_tensorcontract = {
     .wrt_names = tc_wrt,
     .nwrt = 5,
     .dtypes = PB_DTYPES_ALL,
-    .devices = 1u << PB_DEV_CPU,
+    .devices = 1u << PB_DEV_CPU | 1u << PB_DEV_CUDA,
     .validate = tc_validate,
-    .forward = {[PB_DEV_CPU] = tc_forward},
-    .reverse = {[PB_DEV_CPU] = tc_reverse},
+    .forward = {[PB_DEV_CPU] = tc_forward, [PB_DEV_CUDA] = pb_gpu_shared_forward},
+    .reverse = {[PB_DEV_CPU] = tc_reverse, [PB_DEV_CUDA] = pb_gpu_shared_reverse},
 };

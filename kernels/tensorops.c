@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "../cuda/exec.h"
+
 const pb_io_spec_t pb__tops_t1_inputs[2] = {{"A", true}, {"C", false}};
 const char *const pb__tops_c_outputs[1] = {"C"};
 const char *const pb__tops_t1_wrt[4] = {"A", "C", "alpha", "beta"};
@@ -135,14 +137,21 @@ void pb__tops_put_scalar(pb_tensor_t *g, pb_scalar_t v, const pb_optval_t *opt)
 {
     if (!opt->cplx)
         v.im = 0;
-    void *p = pb_tensor_data(g);
+    union {
+        float f[2];
+        double d[2];
+    } e = {.d = {0, 0}};
     switch (g->dtype) {
-    case PB_F32: *(float *)p = (float)v.re; break;
-    case PB_F64: *(double *)p = v.re; break;
-    case PB_C64: ((float *)p)[0] = (float)v.re, ((float *)p)[1] = (float)v.im; break;
-    case PB_C128: ((double *)p)[0] = v.re, ((double *)p)[1] = v.im; break;
-    default: break;
+    case PB_F32: e.f[0] = (float)v.re; break;
+    case PB_F64: e.d[0] = v.re; break;
+    case PB_C64: e.f[0] = (float)v.re, e.f[1] = (float)v.im; break;
+    case PB_C128: e.d[0] = v.re, e.d[1] = v.im; break;
+    default: return;
     }
+    if (pb_exec_gpu() >= 0) /* device memory (cuda/exec.h) */
+        pb__exec_h2d(pb_tensor_data(g), &e, pb_dtype_size(g->dtype));
+    else
+        memcpy(pb_tensor_data(g), &e, pb_dtype_size(g->dtype));
 }
 
 /* A loop over all axes of one tensor, read through two stride sets. */

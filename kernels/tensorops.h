@@ -33,6 +33,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "../cuda/gpu_ops.h"
 #include "contract.h"
 #include "op.h"
 #include "strided.h"

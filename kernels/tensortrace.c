@@ -220,8 +220,8 @@ const pb_op_t pb_op_tensortrace = {
     .wrt_names = pb__tops_t1_wrt,
     .nwrt = 4,
     .dtypes = PB_DTYPES_ALL,
-    .devices = 1u << PB_DEV_CPU,
+    .devices = 1u << PB_DEV_CPU | 1u << PB_DEV_CUDA,
     .validate = tt_validate,
-    .forward = {[PB_DEV_CPU] = tt_forward},
-    .reverse = {[PB_DEV_CPU] = tt_reverse},
+    .forward = {[PB_DEV_CPU] = tt_forward, [PB_DEV_CUDA] = pb_gpu_shared_forward},
+    .reverse = {[PB_DEV_CPU] = tt_reverse, [PB_DEV_CUDA] = pb_gpu_shared_reverse},
 };

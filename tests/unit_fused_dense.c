@@ -24,7 +24,7 @@
 
 #include <cmocka.h>
 
-#include "cuda/gpu.h"
+#include "fake_gpu.h"
 #include "kernels/act.h"
 #include "kernels/op.h"
 
@@ -65,8 +65,6 @@ static double at(const pb_tensor_t *t, size_t i, size_t j)
     return t->dtype == PB_F32 ? ((const float *)pb_tensor_data(t))[idx] : ((const double *)pb_tensor_data(t))[idx];
 }
 
-/* Where the op under test runs: the CPU, or cuda:0 of the fake. */
-static pb_device_t dev = {PB_DEV_CPU, 0};
 
 typedef struct {
     size_t out, in, batch; /* batch 0: vector x */
@@ -102,7 +100,7 @@ static void setup_call_on(pb_call_t *c, pb_device_t on, const fd_case_t *k, pb_d
 static void setup_call(pb_call_t *c, const fd_case_t *k, pb_dtype_t d, const double *W, const double *X,
                        const double *B, bool taped)
 {
-    setup_call_on(c, dev, k, d, W, X, B, taped);
+    setup_call_on(c, test_dev, k, d, W, X, B, taped);
 }
 
 /* On a GPU: the same call's result on the CPU agrees (relative to the
@@ -110,7 +108,7 @@ static void setup_call(pb_call_t *c, const fd_case_t *k, pb_dtype_t d, const dou
  * only. */
 static void same_as_cpu(const pb_tensor_t *got, const pb_tensor_t *cpu, const char *what)
 {
-    if (dev.kind == PB_DEV_CPU)
+    if (test_dev.kind == PB_DEV_CPU)
         return;
     assert_true(pb_tensor_same_shape(got, cpu));
     assert_int_equal(got->storage->kind, PB_STORAGE_HEAP);
@@ -127,7 +125,7 @@ static void same_as_cpu(const pb_tensor_t *got, const pb_tensor_t *cpu, const ch
 
 static void tape_on_device(const pb_tapedata_t *t)
 {
-    if (dev.kind == PB_DEV_CPU)
+    if (test_dev.kind == PB_DEV_CPU)
         return;
     for (int i = 0; i < PB_MAX_SAVED; i++)
         if (t->saved[i].storage) {
@@ -365,7 +363,7 @@ static void zero_sizes(void **state)
         pb_err_t err;
         memset(&c, 0, sizeof c);
         c.op = &pb_op_fused_dense;
-        c.device = dev;
+        c.device = test_dev;
         c.dtype = PB_F64;
         c.order = 'C';
         c.taped = true;
@@ -447,32 +445,13 @@ static void nan_propagates(void **state)
     }
 }
 
-/* After each test on a GPU: every device byte went back. */
-static int nothing_left(void **state)
-{
-    (void)state;
-    if (dev.kind == PB_DEV_CUDA && pb_gpu->used(0) != 0) {
-        fprintf(stderr, "cuda:0 still holds %zu bytes\n", pb_gpu->used(0));
-        return -1;
-    }
-    return 0;
-}
-
 int main(int argc, char **argv)
 {
-#define T(f) cmocka_unit_test_teardown(f, nothing_left)
+#define T(f) cmocka_unit_test_teardown(f, fake_gpu_after)
     const struct CMUnitTest tests[] = {
         T(fd_all), T(empty_wrt), T(zero_sizes), T(missing_cotangent), T(nan_propagates),
     };
-    if (argc > 1 && strcmp(argv[1], "cuda") == 0) {
-        char why[200];
-        setenv("PULLBACKD_FAKE_CUDA", "devices=1", 1);
-        if (pb_gpu_init(why, sizeof why) != 1 || pb_gpu->thread_init(0)) {
-            fprintf(stderr, "the fake GPU did not start: %s\n", why);
-            return 1;
-        }
-        dev = (pb_device_t){PB_DEV_CUDA, 0};
+    if (fake_gpu_mode(argc, argv))
         return cmocka_run_group_tests_name("cuda.fused_dense (the host fake's cuda:0)", tests, NULL, NULL);
-    }
     return cmocka_run_group_tests_name("unit.fused_dense", tests, NULL, NULL);
 }

@@ -15,7 +15,11 @@
  * gradients come out near 1e-6, but ᾱ and β̄ are single inner products
  * whose terms may cancel, and reach 2e-4 relative to their own size on
  * some random draws); forward f64
- * 1e-12, f32 1e-5, relative to the largest |reference| + 1. */
+ * 1e-12, f32 1e-5, relative to the largest |reference| + 1.
+ *
+ * With the argument "cuda" (meson: cuda.tensorops) the op tests run the
+ * ops on cuda:0 of the GPU backend's host fake (cuda/fake.h) instead, the
+ * finite differences too, and check that no device byte is left behind. */
 #include "kernels/cmplx.h"
 #include <math.h>
 #include <setjmp.h>
@@ -27,6 +31,8 @@
 #include <string.h>
 
 #include <cmocka.h>
+
+#include "fake_gpu.h"
 
 #include "kernels/check.h"
 #include "kernels/contract.h"
@@ -117,7 +123,7 @@ static void call_init(pb_call_t *c, const pb_op_t *op, pb_dtype_t d, char order)
 {
     memset(c, 0, sizeof *c);
     c->op = op;
-    c->device = (pb_device_t){PB_DEV_CPU, 0};
+    c->device = test_dev;
     c->dtype = d;
     c->order = order;
 }
@@ -1062,8 +1068,16 @@ static void rank16(void **state)
     expect_error(&c, PB_EINVALID_ARGUMENT, "options.pA");
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    if (fake_gpu_mode(argc, argv)) {
+#define T(f) cmocka_unit_test_teardown(f, fake_gpu_after)
+        const struct CMUnitTest gpu[] = {
+            T(contract_to_case), T(contract_matrix), T(contract_random), T(contract_spec), T(contract_tape),
+            T(contract_errors), T(contract_wrt_conj_scalars), T(add_all), T(trace_all), T(rank16),
+        };
+        return cmocka_run_group_tests_name("cuda.tensorops (the host fake's cuda:0)", gpu, NULL, NULL);
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(strided_kernel),   cmocka_unit_test(strided_paths),    cmocka_unit_test(huge_empty_strides),
            cmocka_unit_test(contract_to_case),

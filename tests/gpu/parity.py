@@ -1,7 +1,8 @@
 """GPU against CPU through the daemon: every op the daemon serves on "cuda",
-every dtype, activation, memory order and wrt subset, the same inputs on
+every dtype, activation or option set, memory order and wrt subset, the same inputs on
 cuda:0 and on the CPU; forward results and gradients must agree to relative
-error 1e-12 (f64) and 1e-5 (f32), measured against the largest element.
+error 1e-12 (f64, c128) and 1e-5 (f32, c64), measured against the largest
+element.
 
 Run against a daemon that has a GPU (tests/gpu/run.sh), or one started with
 PULLBACKD_FAKE_CUDA (then the agreement is exact).  Prints one line per op
@@ -19,7 +20,36 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "clients", "python"))
 import pullbackd  # noqa: E402
 
-TOL = {np.float64: 1e-12, np.float32: 1e-5}
+TOL = {np.float64: 1e-12, np.float32: 1e-5, np.complex128: 1e-12, np.complex64: 1e-5}
+REAL = (np.float32, np.float64)
+ALL = REAL + (np.complex64, np.complex128)
+
+
+def rand(rng, shape, dtype):
+    a = rng.standard_normal(shape)
+    if np.issubdtype(dtype, np.complexfloating):
+        a = a + 1j * rng.standard_normal(shape)
+    return a.astype(dtype)
+
+
+def subsets(names):
+    return [w for n in range(1, len(names) + 1) for w in itertools.combinations(names, n)]
+
+
+def tensor_cases(rng, dtype, inputs_of, option_sets, out_shape):
+    """Each option set, with and without C (beta), scalars real and complex."""
+    cplx = np.issubdtype(dtype, np.complexfloating)
+    for k, (opts, order) in enumerate(itertools.product(option_sets, "CF")):
+        inputs = inputs_of(order)
+        options = dict(opts)
+        options["alpha"] = [0.75, -0.5] if cplx and k % 2 else 1.5
+        names = list(inputs) + ["alpha"]
+        if k % 3:
+            inputs["C"] = rand(rng, out_shape, dtype)
+            options["beta"] = [0.25, 0.5] if cplx and k % 2 == 0 else -2.0
+            names += ["C", "beta"]
+        cot = {"C": rand(rng, out_shape, dtype)}
+        yield f"{options} order {order}", inputs, options, cot, order, subsets(names)
 
 
 def rel(a, b):
@@ -40,7 +70,7 @@ def fused_dense_cases(rng, dtype):
         if bias:
             inputs["bias"] = rng.standard_normal(out).astype(dtype)
         yb = rng.standard_normal(out if vector else (out, batch)).astype(dtype)
-        wrts = [w for n in range(1, len(inputs) + 1) for w in itertools.combinations(inputs, n)]
+        wrts = subsets(list(inputs))
         yield f"{act} {order} vector={vector} bias={bias} {shape}", inputs, {"act": act}, {"y": yb}, order, wrts
 
 
@@ -59,15 +89,36 @@ def _sweep(c):
         return 1
     rng = np.random.default_rng(2024)
     bad = 0
-    makers = {"fused_dense": fused_dense_cases}
+    def arr(shape, dtype, order):
+        a = rand(rng, shape, dtype)
+        return np.asfortranarray(a) if order == "F" else a
+
+    def add_cases(rng_, dtype):
+        return tensor_cases(rng_, dtype, lambda o: {"A": arr((3, 4, 5), dtype, o)},
+                            [{"pA": [2, 0, 1]}, {"pA": [2, 0, 1], "conjA": True}], (5, 3, 4))
+
+    def trace_cases(rng_, dtype):
+        return tensor_cases(rng_, dtype, lambda o: {"A": arr((3, 4, 3, 2), dtype, o)},
+                            [{"p": [3, 1], "q": [[0], [2]]}, {"p": [3, 1], "q": [[2], [0]], "conjA": True}], (2, 4))
+
+    def contract_cases(rng_, dtype):
+        # TensorOperations' own case: A (2,3,4,2,5), B (4,2,3) -> C (5,2,3,3)
+        return tensor_cases(rng_, dtype, lambda o: {"A": arr((2, 3, 4, 2, 5), dtype, o), "B": arr((4, 2, 3), dtype, o)},
+                            [{"pA": [[1, 3, 4], [0, 2]], "pB": [[1, 0], [2]], "pAB": [2, 1, 3, 0]},
+                             {"pA": [[1, 3, 4], [0, 2]], "pB": [[1, 0], [2]], "pAB": [2, 1, 3, 0], "conjA": True,
+                              "conjB": True}], (5, 2, 3, 3))
+
+    makers = {"fused_dense": (fused_dense_cases, REAL), "tensoradd": (add_cases, ALL),
+              "tensortrace": (trace_cases, ALL), "tensorcontract": (contract_cases, ALL)}
     for name in gpu_ops:
         if name not in makers:
             print(f"FAIL: {name} is served on cuda and this sweep has no cases for it")
             bad += 1
             continue
-        for dtype in (np.float32, np.float64):
+        make, dtypes = makers[name]
+        for dtype in dtypes:
             worst, n = 0.0, 0
-            for what, inputs, options, cot, order, wrts in makers[name](rng, dtype):
+            for what, inputs, options, cot, order, wrts in make(rng, dtype):
                 want_y = c.forward(name, inputs, options=options, order=order)
                 got_y = c.forward(name, inputs, options=options, order=order, device="cuda")
                 for k in want_y:

@@ -3,8 +3,12 @@
  * (k = 0 too), bias_act, dz and row_sum for every activation, dtype and
  * order against kernels/act.h on the CPU (relative 1e-13 f64, 3e-6 f32; z
  * and row sums exactly), allocation from a thread that is not a worker,
- * and the used-bytes count.  Exits 77 (skip) with "no CUDA device" when
+ * the used-bytes count; strided (a rank-3 permutation with complex alpha,
+ * beta and conj in c128 and f32, in place, the alpha = 0 rule, a traced
+ * accumulation, rank 0, zero size) and dot (f64 and c64, conj both ways,
+ * repeatable bit for bit) against host loops.  Exits 77 (skip) with "no CUDA device" when
  * the module is missing or finds no GPU. */
+#include <complex.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -32,6 +36,203 @@ static int close_enough(double got, double want, double tol)
 
 static void *free_from_other_thread(void *p) { G->free(0, p); return NULL; }
 static void *alloc_from_other_thread(void *pp) { return (void *)(long)G->alloc(0, 1000, (void **)pp); }
+
+/* ---- strided and dot against host loops ---- */
+
+static int cclose(double complex got, double complex want, double tol)
+{
+    return close_enough(creal(got), creal(want), tol) && close_enough(cimag(got), cimag(want), tol);
+}
+
+static void *dalloc_copy(const void *h, size_t bytes)
+{
+    void *d = NULL;
+    RC(G->alloc(0, bytes, &d));
+    if (h) RC(G->h2d(d, h, bytes));
+    return d;
+}
+
+static pb_gpu_loop_t loop3(const unsigned long long *dim, const long long *s0, const long long *s1, const long long *s2)
+{
+    pb_gpu_loop_t L;
+    memset(&L, 0, sizeof L);
+    L.rank = 3;
+    for (int k = 0; k < 3; k++) { L.dim[k] = dim[k]; L.s[0][k] = s0[k]; L.s[1][k] = s1[k]; L.s[2][k] = s2 ? s2[k] : 0; }
+    return L;
+}
+
+static void strided_checks(void)
+{
+    /* a permutation of a rank-3 tensor, (3, 4, 5): dst in C order, src
+     * stored as (5, 3, 4) in C order, src2 in F order; complex alpha and
+     * beta, conj; c128, then f32 (alpha's and beta's imaginary parts and
+     * conj ignored) */
+    enum { D0 = 3, D1 = 4, D2 = 5, N = D0 * D1 * D2 };
+    const unsigned long long dim[3] = {D0, D1, D2};
+    const long long sd[3] = {D1 * D2, D2, 1}, ss[3] = {D1, 1, D0 * D1}, s2[3] = {1, D0, D0 * D1};
+    pb_gpu_loop_t L = loop3(dim, sd, ss, s2);
+    const double al[2] = {0.75, -1.25}, be[2] = {-0.5, 2.0};
+    double complex zs[N], z2[N], zd[N];
+    float fs[N], f2[N], fd[N];
+    for (int i = 0; i < N; i++) {
+        zs[i] = (i % 7 - 3) * 0.3 + I * (i % 5 - 2) * 0.7; z2[i] = (i % 3) * 1.5 - I * (i % 11) * 0.125;
+        fs[i] = (float)((i % 9) * 0.25 - 1); f2[i] = (float)((i % 4) * 0.5 + 0.125);
+    }
+    for (int cj = 0; cj < 2; cj++) {
+        void *ds = dalloc_copy(zs, sizeof zs), *d2 = dalloc_copy(z2, sizeof z2), *dd = dalloc_copy(NULL, sizeof zd);
+        RC(G->strided(3, &L, dd, ds, cj, al, d2, be, 0));
+        RC(G->d2h(zd, dd, sizeof zd));
+        int bad = 0;
+        for (int i = 0; i < D0; i++) for (int j = 0; j < D1; j++) for (int k = 0; k < D2; k++) {
+            double complex a = al[0] + I * al[1], b = be[0] + I * be[1], x = zs[i * ss[0] + j * ss[1] + k * ss[2]];
+            double complex w = a * (cj ? conj(x) : x) + b * z2[i * s2[0] + j * s2[1] + k * s2[2]];
+            if (!cclose(zd[i * sd[0] + j * sd[1] + k * sd[2]], w, 1e-15) && bad++ < 3) printf("strided c128 conj %d (%d,%d,%d)\n", cj, i, j, k);
+        }
+        fails += bad;
+        /* in place, dst = src with the same strides: c128 dst = alpha·op(dst) */
+        pb_gpu_loop_t Li = L;
+        for (int k = 0; k < 3; k++) Li.s[1][k] = Li.s[0][k];
+        double complex before[N];
+        memcpy(before, zd, sizeof zd);
+        RC(G->strided(3, &Li, dd, dd, cj, al, NULL, be, 0));
+        RC(G->d2h(zd, dd, sizeof zd));
+        for (int i = 0; i < N; i++) { double complex x = before[i]; if (!cclose(zd[i], (al[0] + I * al[1]) * (cj ? conj(x) : x), 1e-15)) { CHECK(!"strided in place"); break; } }
+        G->free(0, ds); G->free(0, d2); G->free(0, dd);
+
+        ds = dalloc_copy(fs, sizeof fs); d2 = dalloc_copy(f2, sizeof f2); dd = dalloc_copy(NULL, sizeof fd);
+        RC(G->strided(0, &L, dd, ds, cj, al, d2, be, 0));
+        RC(G->d2h(fd, dd, sizeof fd));
+        bad = 0;
+        for (int i = 0; i < D0; i++) for (int j = 0; j < D1; j++) for (int k = 0; k < D2; k++) {
+            float w = (float)al[0] * fs[i * ss[0] + j * ss[1] + k * ss[2]] + (float)be[0] * f2[i * s2[0] + j * s2[1] + k * s2[2]];
+            if (!close_enough(fd[i * sd[0] + j * sd[1] + k * sd[2]], w, 1e-6) && bad++ < 3) printf("strided f32 conj %d (%d,%d,%d)\n", cj, i, j, k);
+        }
+        fails += bad;
+        G->free(0, ds); G->free(0, d2); G->free(0, dd);
+    }
+    /* alpha = 0: src (all NaN) is not read: dst = beta·src2, or zeros */
+    {
+        double complex nan_src[N], junk[N];
+        for (int i = 0; i < N; i++) { nan_src[i] = NAN + I * NAN; junk[i] = 7 - 3 * I; }
+        const double zero[2] = {0, 0};
+        void *ds = dalloc_copy(nan_src, sizeof nan_src), *d2 = dalloc_copy(z2, sizeof z2), *dd = dalloc_copy(junk, sizeof junk);
+        RC(G->strided(3, &L, dd, ds, 1, zero, d2, be, 0));
+        RC(G->d2h(zd, dd, sizeof zd));
+        int bad = 0;
+        for (int i = 0; i < D0; i++) for (int j = 0; j < D1; j++) for (int k = 0; k < D2; k++) {
+            double complex w = (be[0] + I * be[1]) * z2[i * s2[0] + j * s2[1] + k * s2[2]];
+            if (!cclose(zd[i * sd[0] + j * sd[1] + k * sd[2]], w, 1e-15) && bad++ < 3) printf("strided alpha=0 beta·src2 (%d,%d,%d)\n", i, j, k);
+        }
+        fails += bad;
+        RC(G->strided(3, &L, dd, ds, 0, zero, NULL, NULL, 0));
+        RC(G->d2h(zd, dd, sizeof zd));
+        for (int i = 0; i < N; i++) if (zd[i] != 0 || signbit(creal(zd[i])) || signbit(cimag(zd[i]))) { CHECK(!"strided alpha=0 zeros"); break; }
+        G->free(0, ds); G->free(0, d2); G->free(0, dd);
+    }
+    /* zero size: nothing happens */
+    {
+        const unsigned long long dz0[3] = {D0, 0, D2};
+        pb_gpu_loop_t Lz = loop3(dz0, sd, ss, s2);
+        RC(G->strided(3, &Lz, NULL, NULL, 0, al, NULL, be, 0));
+        double out[2] = {1, 1};
+        RC(G->dot(3, &Lz, NULL, 0, NULL, out));
+        CHECK(out[0] == 0 && out[1] == 0);
+    }
+    /* accumulate a trace: dst[i] += alpha·op(A[i, j, j]) over (i, j), A
+     * (6, 7, 7) in C order: dst strides (1, 0), src (49, 8); f64, c64
+     * with conj, and the full trace into one element (dst strides 0) */
+    {
+        enum { TN = 6, TM = 7 };
+        pb_gpu_loop_t T;
+        memset(&T, 0, sizeof T);
+        T.rank = 2; T.dim[0] = TN; T.dim[1] = TM;
+        T.s[0][0] = 1; T.s[0][1] = 0; T.s[1][0] = TM * TM; T.s[1][1] = TM + 1;
+        double A[TN * TM * TM], acc[TN], accw[TN];
+        float complex Ac[TN * TM * TM], accc[TN], acccw[TN];
+        for (int i = 0; i < TN * TM * TM; i++) { A[i] = sin(i * 0.37) * 3; Ac[i] = (float)cos(i * 0.21) + I * (float)sin(i * 0.11); }
+        for (int i = 0; i < TN; i++) { acc[i] = accw[i] = i - 2.5; accc[i] = acccw[i] = (float)i * 0.5f - I * (float)i; }
+        const double a2[2] = {1.5, 0.25};
+        void *dA = dalloc_copy(A, sizeof A), *dacc = dalloc_copy(acc, sizeof acc);
+        RC(G->strided(1, &T, dacc, dA, 1, a2, NULL, NULL, 1));
+        RC(G->d2h(acc, dacc, sizeof acc));
+        for (int i = 0; i < TN; i++) { for (int j = 0; j < TM; j++) accw[i] += a2[0] * A[i * TM * TM + j * (TM + 1)]; CHECK(close_enough(acc[i], accw[i], 1e-15)); }
+        G->free(0, dA); G->free(0, dacc);
+        dA = dalloc_copy(Ac, sizeof Ac); dacc = dalloc_copy(accc, sizeof accc);
+        float complex fa = (float)a2[0] + I * (float)a2[1];
+        RC(G->strided(2, &T, dacc, dA, 1, a2, NULL, NULL, 1));
+        RC(G->d2h(accc, dacc, sizeof accc));
+        for (int i = 0; i < TN; i++) { for (int j = 0; j < TM; j++) acccw[i] += fa * conjf(Ac[i * TM * TM + j * (TM + 1)]); CHECK(cclose(accc[i], acccw[i], 1e-6)); }
+        /* the whole trace of each A[i] into accc[0]: dst strides 0, 0 */
+        T.s[0][0] = 0;
+        float complex tot = accc[0];
+        RC(G->strided(2, &T, dacc, dA, 0, a2, NULL, NULL, 1));
+        RC(G->d2h(accc, dacc, sizeof accc));
+        for (int i = 0; i < TN; i++) for (int j = 0; j < TM; j++) tot += fa * Ac[i * TM * TM + j * (TM + 1)];
+        CHECK(cclose(accc[0], tot, 1e-6));
+        for (int i = 1; i < TN; i++) CHECK(accc[i] == acccw[i]);
+        G->free(0, dA); G->free(0, dacc);
+    }
+    /* rank 0: one element, set and accumulated */
+    {
+        pb_gpu_loop_t R;
+        memset(&R, 0, sizeof R);
+        double x = 3.5, y = -1.25, r = 99;
+        void *dx = dalloc_copy(&x, 8), *dy = dalloc_copy(&y, 8), *dr = dalloc_copy(&r, 8);
+        const double a2[2] = {2, 0}, b2[2] = {4, 0};
+        RC(G->strided(1, &R, dr, dx, 0, a2, dy, b2, 0));
+        RC(G->d2h(&r, dr, 8));
+        CHECK(r == 2 * 3.5 + 4 * -1.25);
+        RC(G->strided(1, &R, dr, dx, 0, a2, NULL, NULL, 1));
+        RC(G->d2h(&r, dr, 8));
+        CHECK(r == 2 * 3.5 + 4 * -1.25 + 7);
+        double out[2];
+        RC(G->dot(1, &R, dx, 0, dy, out));
+        CHECK(out[0] == 3.5 * -1.25 && out[1] == 0);
+        G->free(0, dx); G->free(0, dy); G->free(0, dr);
+    }
+}
+
+static void dot_checks(void)
+{
+    /* f64 over (n) with a reversed (stride -1), b every third element;
+     * c64 over (517, 601) with a transposed against b, conj both ways;
+     * sums against the host's in double, and bitwise repeatable */
+    size_t n = 300007;
+    double *a = malloc(n * 8), *b = malloc(3 * n * 8);
+    for (size_t i = 0; i < n; i++) a[i] = sin((double)i) * 2;
+    for (size_t i = 0; i < 3 * n; i++) b[i] = cos(i * 0.5) + 0.25;
+    double want = 0;
+    for (size_t i = 0; i < n; i++) want += a[n - 1 - i] * b[3 * i];
+    void *da = dalloc_copy(a, n * 8), *db = dalloc_copy(b, 3 * n * 8);
+    pb_gpu_loop_t L;
+    memset(&L, 0, sizeof L);
+    L.rank = 1; L.dim[0] = n; L.s[0][0] = -1; L.s[1][0] = 3;
+    double out[2], again[2];
+    RC(G->dot(1, &L, (double *)da + (n - 1), 1, db, out));
+    RC(G->dot(1, &L, (double *)da + (n - 1), 1, db, again));
+    CHECK(close_enough(out[0], want, 1e-11) && out[1] == 0);
+    CHECK(memcmp(out, again, sizeof out) == 0);
+    G->free(0, da); G->free(0, db); free(a); free(b);
+
+    enum { M = 517, K = 601 };
+    float complex *ca = malloc(sizeof(float complex) * M * K), *cb = malloc(sizeof(float complex) * M * K);
+    for (int i = 0; i < M * K; i++) { ca[i] = (float)sin(i * 0.01) + I * (float)cos(i * 0.013); cb[i] = (float)(i % 17) * 0.125f - I * (float)(i % 5); }
+    da = dalloc_copy(ca, sizeof(float complex) * M * K); db = dalloc_copy(cb, sizeof(float complex) * M * K);
+    memset(&L, 0, sizeof L);
+    L.rank = 2; L.dim[0] = M; L.dim[1] = K; L.s[0][0] = K; L.s[0][1] = 1; L.s[1][0] = 1; L.s[1][1] = M;
+    for (int cj = 0; cj < 2; cj++) {
+        double complex w = 0;
+        for (int i = 0; i < M; i++) for (int j = 0; j < K; j++) {
+            double complex x = ca[i * K + j], y = cb[i + j * M];
+            w += (cj ? x : conj(x)) * y;
+        }
+        RC(G->dot(2, &L, da, cj, db, out));
+        RC(G->dot(2, &L, da, cj, db, again));
+        if (!cclose(out[0] + I * out[1], w, 1e-11)) { fails++; printf("dot c64 conj %d: %.17g%+.17gi want %.17g%+.17gi\n", cj, out[0], out[1], creal(w), cimag(w)); }
+        CHECK(memcmp(out, again, sizeof out) == 0);
+    }
+    G->free(0, da); G->free(0, db); free(ca); free(cb);
+}
 
 int main(void)
 {
@@ -149,6 +350,10 @@ int main(void)
     CHECK(ret == NULL && p != NULL && G->used(0) == 1000);
     RC(G->zero(p, 1000)); RC(G->sync());
     pthread_create(&t, NULL, free_from_other_thread, p); pthread_join(t, NULL);
+    CHECK(G->used(0) == 0);
+    strided_checks();
+    dot_checks();
+    RC(G->sync());
     CHECK(G->used(0) == 0);
     CHECK(!G->failed(0));
     G->thread_fini();

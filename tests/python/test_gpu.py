@@ -69,7 +69,8 @@ class FakeGpu(GpuCase):
         self.assertEqual(h["devices"], ["cpu", "cuda:0", "cuda:1"])
         self.assertEqual(h["limits"]["max_device_tape_bytes"], 1 << 20)
         ops = self.c.ops()["ops"]
-        self.assertEqual(ops["fused_dense"]["devices"], ["cpu", "cuda"])
+        for name in ("fused_dense", "tensorcontract", "tensoradd", "tensortrace"):
+            self.assertEqual(ops[name]["devices"], ["cpu", "cuda"], name)
         self.assertEqual(ops["qr_compact"]["devices"], ["cpu"])
         devs = self.c.stats()["devices"]
         self.assertEqual([d["name"] for d in devs], ["cpu", "cuda:0", "cuda:1"])
@@ -114,6 +115,24 @@ class FakeGpu(GpuCase):
             r = self.c.check("fused_dense", {"weight": W, "x": x, "bias": b}, wrt=["weight", "x", "bias"],
                              options={"act": "gelu"}, device="cuda")
             self.assertLess(r["max_rel_err"], tol, dtype)
+
+    def test_tensor_ops_check_on_the_gpu(self):
+        """The server's finite differences of the tensor ops' rules on cuda."""
+        for dtype in (np.float64, np.complex128):
+            A = self.rng.standard_normal((2, 3, 4)).astype(dtype)
+            B = self.rng.standard_normal((4, 3)).astype(dtype)
+            if dtype == np.complex128:
+                A = A + 1j * self.rng.standard_normal(A.shape)
+            C = np.ones((2, 3, 3), dtype)
+            alpha = [0.5, 0.25] if dtype == np.complex128 else 0.5
+            cases = [("tensorcontract", {"A": A, "B": B, "C": C}, {"spec": "abc,cd->abd", "alpha": alpha, "beta": 2.0},
+                      ["A", "B", "C", "alpha", "beta"]),
+                     ("tensoradd", {"A": A}, {"pA": [1, 2, 0], "conjA": True, "alpha": 1.5}, ["A", "alpha"]),
+                     ("tensortrace", {"A": A[:, :, :2]}, {"p": [1], "q": [[0], [2]]}, ["A", "alpha"])]
+            for op, inputs, options, wrt in cases:
+                r = self.c.check(op, inputs, wrt=wrt, options=options, device="cuda")
+                self.assertLess(r["max_rel_err"], 1e-6, f"{op} {dtype.__name__}: {r}")
+        self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
 
     def test_tapes_live_in_device_memory(self):
         W, x, b = self.data(out=16, inn=16, batch=8)
