@@ -23,13 +23,17 @@ const pb_gpu_backend_t *pb__gpu_real(const char **why)
     static char whynot[300] = "the CUDA backend module " MODULE " was not found";
     if (!tried) {
         tried = true;
-        char here[PATH_MAX] = "", built[PATH_MAX + 32] = "";
+        /* The build tree: the daemon in daemon/, tests in tests/ and
+         * tests/bench/, the module in cuda/. */
+        char here[PATH_MAX] = "", up1[PATH_MAX + 32] = "", up2[PATH_MAX + 32] = "";
         ssize_t n = readlink("/proc/self/exe", here, sizeof here - 1);
         if (n > 0) {
             here[n] = 0;
-            snprintf(built, sizeof built, "%s/../cuda/" MODULE, dirname(here));
+            const char *dir = dirname(here);
+            snprintf(up1, sizeof up1, "%s/../cuda/" MODULE, dir);
+            snprintf(up2, sizeof up2, "%s/../../cuda/" MODULE, dir);
         }
-        const char *paths[] = {getenv("PULLBACKD_CUDA_MODULE"), built, PB_CUDA_MODULE_DIR "/" MODULE};
+        const char *paths[] = {getenv("PULLBACKD_CUDA_MODULE"), up1, up2, PB_CUDA_MODULE_DIR "/" MODULE};
         for (size_t i = 0; i < sizeof paths / sizeof *paths && backend == NULL; i++) {
             if (paths[i] == NULL || paths[i][0] == 0 || (i > 0 && access(paths[i], F_OK) != 0))
                 continue;

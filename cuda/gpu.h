@@ -131,8 +131,8 @@ int pb_gpu_count(void);
 /* The real backend, or NULL: cuda/real.cu is built as a module of its
  * own (libpullbackd-cuda.so, which alone links the CUDA libraries, so the
  * daemon starts where they or a driver are missing), loaded on the first
- * call from $PULLBACKD_CUDA_MODULE, else next to the binary in the build
- * tree (../cuda/), else the installed library folder.  why (if not NULL)
+ * call from $PULLBACKD_CUDA_MODULE, else from the build tree the binary
+ * lies in (../cuda/ or ../../cuda/), else the installed library folder.  why (if not NULL)
  * says why there is none. */
 const pb_gpu_backend_t *pb__gpu_real(const char **why);
 /* The module's entry point. */

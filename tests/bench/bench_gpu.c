@@ -1,0 +1,240 @@
+/* bench_gpu: the GPU rules' device work against the bare cuBLAS calls they
+ * need, in process, on cuda:0 of the real backend (the module the daemon
+ * loads), with every operand already in device memory:
+ *   - fused_dense forward (GEMM + the bias+activation kernel) ÷ its GEMM,
+ *     and reverse (dz kernel, two GEMMs, row sum) ÷ its two GEMMs, at
+ *     (out, in, batch) = (4096, 4096, 1024) and (8192, 8192, 256), f32 and
+ *     f64, gelu (issue 12: each ≤ 1.10);
+ *   - the permutation pass (pb_gpu->strided, a rank-4 transpose
+ *     abcd -> dcba) against a contiguous pass of the same bytes (≥ 0.7 of
+ *     its bandwidth);
+ *   - a whole forward through the op (pb_op_run_forward on cuda, inputs
+ *     and output through the host staging) beside them, for what a
+ *     request adds.
+ * Each figure is the median of 5 runs after a warm-up.  Exits 77 with "no
+ * CUDA device" where the module or a GPU is missing.
+ *
+ *   bench_gpu [--quick]     (--quick: the smaller shape only) */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bench_util.h"
+#include "cuda/gpu.h"
+#include "kernels/act.h"
+#include "kernels/op.h"
+
+extern const pb_op_t pb_op_fused_dense;
+
+static const pb_gpu_backend_t *G;
+
+static void ok(int rc, const char *what)
+{
+    if (rc) {
+        fprintf(stderr, "%s failed (%d): %s\n", what, rc, G->last_error());
+        exit(1);
+    }
+}
+
+static void *dalloc(size_t bytes)
+{
+    void *p;
+    ok(G->alloc(0, bytes, &p), "alloc");
+    return p;
+}
+
+typedef struct {
+    int dtype;
+    long out, in, batch;
+    void *W, *x, *b, *y, *z, *dz, *gW, *gx, *gb;
+} fd_t;
+
+static const double ONE[2] = {1, 0}, ZERO[2] = {0, 0};
+
+/* y = W·x (row-major W (out × in), x (in × batch), y (out × batch) as the
+ * column-major transposes: yᵀ = xᵀ·Wᵀ). */
+static void gemm_fwd(fd_t *f)
+{
+    ok(G->gemm(f->dtype, 'N', 'N', (int)f->batch, (int)f->out, (int)f->in, ONE, f->x, (int)f->batch, f->W,
+               (int)f->in, ZERO, f->y, (int)f->batch),
+       "gemm");
+}
+
+static void forward(fd_t *f)
+{
+    gemm_fwd(f);
+    ok(G->bias_act(f->dtype, PB_ACT_GELU, f->y, f->z, f->b, (size_t)f->out, (size_t)f->batch, 'C'), "bias_act");
+}
+
+/* W̄ = dz·xᵀ, x̄ = Wᵀ·dz, in the same column-major reading. */
+static void gemms_rev(fd_t *f)
+{
+    ok(G->gemm(f->dtype, 'T', 'N', (int)f->in, (int)f->out, (int)f->batch, ONE, f->x, (int)f->batch, f->dz,
+               (int)f->batch, ZERO, f->gW, (int)f->in),
+       "gemm W̄");
+    ok(G->gemm(f->dtype, 'N', 'T', (int)f->batch, (int)f->in, (int)f->out, ONE, f->dz, (int)f->batch, f->W,
+               (int)f->in, ZERO, f->gx, (int)f->batch),
+       "gemm x̄");
+}
+
+static void reverse(fd_t *f)
+{
+    ok(G->dz(f->dtype, PB_ACT_GELU, f->dz, f->y, f->z, (size_t)f->out, (size_t)f->batch, 'C'), "dz");
+    gemms_rev(f);
+    ok(G->row_sum(f->dtype, f->dz, f->gb, (size_t)f->out, (size_t)f->batch, 'C'), "row_sum");
+}
+
+/* Median seconds of 5 runs of fn (after one warm-up), each synchronised. */
+static double timed(void (*fn)(fd_t *), fd_t *f)
+{
+    double t[5];
+    fn(f);
+    ok(G->sync(), "sync");
+    for (int i = 0; i < 5; i++) {
+        double t0 = now();
+        fn(f);
+        ok(G->sync(), "sync");
+        t[i] = now() - t0;
+    }
+    return median(t, 5);
+}
+
+static void bench_fused_dense(int dtype, long out, long in, long batch)
+{
+    size_t es = dtype ? 8 : 4;
+    fd_t f = {.dtype = dtype, .out = out, .in = in, .batch = batch};
+    f.W = dalloc(es * (size_t)(out * in));
+    f.x = dalloc(es * (size_t)(in * batch));
+    f.b = dalloc(es * (size_t)out);
+    f.y = dalloc(es * (size_t)(out * batch));
+    f.z = dalloc(es * (size_t)(out * batch));
+    f.dz = dalloc(es * (size_t)(out * batch));
+    f.gW = dalloc(es * (size_t)(out * in));
+    f.gx = dalloc(es * (size_t)(in * batch));
+    f.gb = dalloc(es * (size_t)out);
+    void *pieces[] = {f.W, f.x, f.b, f.y, f.z, f.dz};
+    size_t sizes[] = {(size_t)(out * in), (size_t)(in * batch), (size_t)out, (size_t)(out * batch),
+                      (size_t)(out * batch), (size_t)(out * batch)};
+    for (int i = 0; i < 6; i++) { /* small values: nothing overflows */
+        size_t n = sizes[i] * es;
+        char *h = malloc(n);
+        for (size_t k = 0; k < sizes[i]; k++)
+            if (dtype)
+                ((double *)h)[k] = (double)(k % 17) / 64.0 - 0.125;
+            else
+                ((float *)h)[k] = (float)(k % 17) / 64.0f - 0.125f;
+        ok(G->h2d(pieces[i], h, n), "h2d");
+        ok(G->sync(), "sync");
+        free(h);
+    }
+    double g = timed(gemm_fwd, &f), fw = timed(forward, &f), g2 = timed(gemms_rev, &f), rv = timed(reverse, &f);
+    printf("fused_dense %s (%ld, %ld, %ld) gelu: GEMM %.3f ms, forward %.3f ms: %.3f | two GEMMs %.3f ms, "
+           "reverse %.3f ms: %.3f\n",
+           dtype ? "f64" : "f32", out, in, batch, g * 1e3, fw * 1e3, fw / g, g2 * 1e3, rv * 1e3, rv / g2);
+    void *all[] = {f.W, f.x, f.b, f.y, f.z, f.dz, f.gW, f.gx, f.gb};
+    for (int i = 0; i < 9; i++)
+        G->free(0, all[i]);
+}
+
+/* The whole op through pb_op_run_forward on cuda:0: host inputs in, y out. */
+static void bench_op(int dtype, long out, long in, long batch)
+{
+    pb_call_t c;
+    memset(&c, 0, sizeof c);
+    c.op = &pb_op_fused_dense;
+    c.device = (pb_device_t){PB_DEV_CUDA, 0};
+    c.dtype = dtype ? PB_F64 : PB_F32;
+    c.order = 'C';
+    c.opt[0].given = true;
+    c.opt[0].index = PB_ACT_GELU;
+    uint64_t ws[2] = {(uint64_t)out, (uint64_t)in}, xs[2] = {(uint64_t)in, (uint64_t)batch};
+    ok(pb_tensor_alloc(&c.in[0], c.dtype, 2, ws, 'C', true), "host W");
+    ok(pb_tensor_alloc(&c.in[1], c.dtype, 2, xs, 'C', true), "host x");
+    pb_err_t err;
+    ok(pb_op_fused_dense.validate(&c, &err), "validate");
+    double t[5];
+    for (int i = -1; i < 5; i++) {
+        double t0 = now();
+        ok(pb_op_run_forward(&c, NULL, &err), err.message);
+        if (i >= 0)
+            t[i] = now() - t0;
+        pb_tensor_clear(&c.out[0]);
+    }
+    printf("  the op's forward with its copies in and out (%s): %.3f ms\n", dtype ? "f64" : "f32",
+           median(t, 5) * 1e3);
+    pb_call_clear(&c);
+}
+
+typedef struct {
+    pb_gpu_loop_t perm, flat;
+    void *src, *dst;
+} perm_t;
+
+static perm_t P;
+
+static void run_perm(fd_t *f)
+{
+    (void)f;
+    ok(G->strided(1, &P.perm, P.dst, P.src, 0, ONE, NULL, ZERO, 0), "strided");
+}
+
+static void run_flat(fd_t *f)
+{
+    (void)f;
+    ok(G->strided(1, &P.flat, P.dst, P.src, 0, ONE, NULL, ZERO, 0), "strided");
+}
+
+static void bench_permute(long n)
+{
+    /* f64 abcd -> dcba, each side n: n⁴ elements */
+    size_t count = (size_t)(n * n * n * n), bytes = count * 8;
+    P.src = dalloc(bytes);
+    P.dst = dalloc(bytes);
+    ok(G->zero(P.src, bytes), "zero");
+    memset(&P.perm, 0, sizeof P.perm);
+    P.perm.rank = 4;
+    for (int k = 0; k < 4; k++) {
+        long long st = 1;
+        for (int j = k + 1; j < 4; j++)
+            st *= n;
+        P.perm.dim[k] = (unsigned long long)n;
+        P.perm.s[0][k] = st;         /* dst C order over (a, b, c, d)... */
+        P.perm.s[1][3 - k] = st;     /* ...src read reversed */
+    }
+    memset(&P.flat, 0, sizeof P.flat);
+    P.flat.rank = 1;
+    P.flat.dim[0] = count;
+    P.flat.s[0][0] = P.flat.s[1][0] = 1;
+    double tf = timed(run_flat, NULL), tp = timed(run_perm, NULL);
+    printf("permutation abcd->dcba f64, %zu MiB: contiguous pass %.1f GB/s, permutation %.1f GB/s: %.2f of it\n",
+           bytes >> 20, 2.0 * (double)bytes / tf * 1e-9, 2.0 * (double)bytes / tp * 1e-9, tf / tp);
+    G->free(0, P.src);
+    G->free(0, P.dst);
+}
+
+int main(int argc, char **argv)
+{
+    bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
+    char why[200] = "";
+    int n = pb_gpu_init(why, sizeof why);
+    if (n <= 0 || strcmp(pb_gpu->name, "cuda") != 0) {
+        const char *whynot;
+        const pb_gpu_backend_t *real = pb__gpu_real(&whynot);
+        printf("no CUDA device: %s\n", n < 0 ? why : real ? real->last_error() : whynot);
+        return 77;
+    }
+    G = pb_gpu;
+    pb_gpu_info_t info;
+    ok(G->info(0, &info), "info");
+    printf("cuda:0: %s, %zu MiB\n", info.name, info.total_bytes >> 20);
+    ok(G->thread_init(0), "thread_init");
+    static const long shapes[2][3] = {{4096, 4096, 1024}, {8192, 8192, 256}};
+    for (int s = 0; s < (quick ? 1 : 2); s++)
+        for (int dtype = 0; dtype < 2; dtype++) {
+            bench_fused_dense(dtype, shapes[s][0], shapes[s][1], shapes[s][2]);
+            bench_op(dtype, shapes[s][0], shapes[s][1], shapes[s][2]);
+        }
+    bench_permute(quick ? 64 : 128);
+    G->thread_fini();
+    return 0;
+}
