@@ -113,6 +113,7 @@ static void run_check(pb_job_t *j)
 static void check_done(pb_job_t *j)
 {
     pb_req_t *r = (pb_req_t *)j;
+    pb__req_gpu_release(r, r->u.call.call.device);
     int broken = check_broken(r);
     if (broken)
         r->rc = broken;
@@ -123,6 +124,7 @@ static void forward_done(pb_job_t *j)
 {
     pb_req_t *r = (pb_req_t *)j;
     pb_req_call_t *x = &r->u.call;
+    pb__req_gpu_release(r, x->call.device);
     pb_tapes_t *tapes = &r->rpc->tapes;
     pb_conn_t *c = r->conn;
     pb_tape_list_t *mine = pb_conn_tapes(c);
@@ -212,7 +214,12 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
     r->job.done = kind == PB_CALL_CHECK ? check_done : forward_done;
     /* A check runs the op up to 8·|wrt| + 2 times (kernels/check.c). */
     double cost = x->call.cost * (kind == PB_CALL_CHECK ? 8.0 * x->call.op->nwrt + 2 : 1);
-    pb__req_submit(r, cost, x->call.device);
+    /* On a GPU: the inputs and outputs, and as much again for temporaries
+     * (contract.c's copies, fused_dense's z); the tape keeps some of them. */
+    size_t need = 0;
+    for (int i = 0; i < PB_MAX_IO; i++)
+        need += 2 * (pb_tensor_bytes(&x->call.in[i]) + pb_tensor_bytes(&x->call.out_meta[i]));
+    pb__req_submit(r, cost, x->call.device, need);
 }
 
 void pb__m_forward(pb_req_t *r, const msgpack_object *p, pb_storage_t *m) { m_call(r, p, m, PB_CALL_FORWARD); }
@@ -247,6 +254,7 @@ static void reverse_done(pb_job_t *j)
 {
     pb_req_t *r = (pb_req_t *)j;
     pb_tape_t *t = r->u.rev.tape;
+    pb__req_gpu_release(r, t->data.device);
     int broken = check_broken(r);
     if (broken)
         r->rc = broken;
@@ -268,8 +276,12 @@ static void start_reverse(pb_req_t *r, pb_tape_t *t)
     v->wrt = t->data.wrt;
     r->job.run = run_reverse;
     r->job.done = reverse_done;
-    /* A reverse costs about twice its forward. */
-    pb__req_submit(r, 2.0 * t->data.cost, t->data.device);
+    /* A reverse costs about twice its forward.  On a GPU it may need the
+     * cotangents and gradients, and as much again for temporaries. */
+    size_t need = 0;
+    for (int i = 0; i < PB_MAX_IO; i++)
+        need += 2 * (pb_tensor_bytes(&v->cot[i]) + ((v->wrt >> i) & 1 ? pb_tensor_bytes(&t->data.in_meta[i]) : 0));
+    pb__req_submit(r, 2.0 * t->data.cost, t->data.device, need);
 }
 
 static void reverse_turn(pb_tape_waiter_t *w, pb_tape_t *t)

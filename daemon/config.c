@@ -105,6 +105,9 @@ static const pb_setting_t keys[] = {
      "worker threads (default: number of CPUs)"},
     {"gpu-workers", PB_SET_INT, FIELD(gpu_workers), "2", 1, 64, false, NULL, "N",
      "worker threads for each GPU, each with its own stream"},
+    {"gpu-lane-flops", PB_SET_SIZE, FIELD(gpu_lane_flops), "100G", 1, 0, false, NULL, "N",
+     "estimated flops from which a GPU request is large: it\nruns in its GPU's lane, one at a time, and the other\n"
+     "workers keep serving the small ones"},
     {"max-message-bytes", PB_SET_SIZE, FIELD(max_message_bytes), "256M", 1024, 0, true, "max_message_bytes", "N",
      "largest message accepted"},
     {"max-tape-bytes", PB_SET_SIZE, FIELD(max_tape_bytes), "4G", 0, 0, true, "max_tape_bytes", "N",
@@ -131,6 +134,8 @@ static const pb_setting_t keys[] = {
      "max_connections_per_uid", "N", "open connections of one uid"},
     {"max-device-tape-bytes", PB_SET_SIZE, FIELD(max_device_tape_bytes), "4G", 0, 0, true,
      "max_device_tape_bytes", "N", "tape bytes held in each GPU's memory"},
+    {"max-device-bytes", PB_SET_SIZE, FIELD(max_device_bytes), "0", 0, 0, true, NULL, "N",
+     "each GPU's memory for tapes and running requests\n(0, the default: 7/8 of the device's memory)"},
     {"drain-timeout", PB_SET_SECONDS, FIELD(drain_timeout_s), "30", 0, 1000000000, true, NULL, "S",
      "seconds to finish in-flight work on SIGTERM; then the\ndaemon exits without waiting for its workers"},
     {"memory-cache", PB_SET_SIZE, FIELD(memory_cache_bytes), NULL, 0, 0, true, NULL, "N",

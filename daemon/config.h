@@ -41,10 +41,12 @@ typedef struct pb_config {
     pb_device_t device;
     int workers;
     int gpu_workers;                         /* per GPU */
+    size_t gpu_lane_flops;                   /* cost from which a GPU job takes the large lane */
     size_t max_message_bytes;
     size_t max_tape_bytes;
     size_t max_tape_bytes_per_uid;
     size_t max_device_tape_bytes;        /* tapes on each GPU */
+    size_t max_device_bytes;             /* each GPU's memory for tapes and requests; 0: 7/8 of it */
     size_t max_tapes_per_connection;
     size_t max_inflight_per_connection;
     size_t max_buffers_per_connection;       /* shared-memory buffers registered at once */

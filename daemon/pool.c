@@ -151,9 +151,11 @@ static void *gpu_worker_main(void *arg)
     if (bound)
         p->bind_failed = true;
     pthread_cond_broadcast(&p->cond);
-    pb_queue_t *q = &p->todo[1 + w->dev];
+    pb_queue_t *small = &p->todo[1 + 2 * w->dev], *large = &p->todo[2 + 2 * w->dev];
     while (bound == 0) {
-        pb_job_t *j = q_pop(q);
+        pb_job_t *j = w->lane ? q_pop(large) : NULL;
+        if (j == NULL)
+            j = q_pop(small);
         if (j == NULL) {
             if (p->stopping)
                 break;
@@ -206,7 +208,7 @@ static int start_gpu_workers(pb_pool_t *p, int gpu_workers)
     int why = 0;
     for (int i = 0; i < want; i++) {
         pb_gpu_worker_t *w = &p->gworkers[i];
-        *w = (pb_gpu_worker_t){p, i / gpu_workers, 0};
+        *w = (pb_gpu_worker_t){p, i / gpu_workers, i % gpu_workers == 0, 0};
         if ((why = pthread_create(&w->thread, NULL, gpu_worker_main, w)) != 0)
             break;
         p->ngworkers++;
@@ -229,10 +231,11 @@ static int start_gpu_workers(pb_pool_t *p, int gpu_workers)
     return why ? pb_err_from_sys(-why) : PB_EDEVICE_UNAVAILABLE;
 }
 
-int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n, int gpu_workers)
+int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n, int gpu_workers, double gpu_lane_flops)
 {
     *p = (pb_pool_t){0};
     p->loop = loop;
+    p->gpu_lane_flops = gpu_lane_flops;
     if (n < 1)
         n = 1;
     int rc = uv_async_init(loop, &p->async, on_async);
@@ -291,17 +294,22 @@ fail:
     return rc;
 }
 
-void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job)
+void pb_pool_submit(pb_pool_t *p, pb_device_t dev, double cost, pb_job_t *job)
 {
     bool gpu = dev.kind == PB_DEV_CUDA;
+    int q = gpu ? 1 + 2 * dev.index + (cost >= p->gpu_lane_flops) : 0;
     pthread_mutex_lock(&p->lock);
-    q_push(&p->todo[gpu ? 1 + dev.index : 0], job);
+    q_push(&p->todo[q], job);
     atomic_fetch_add_explicit(&p->submitted, 1, memory_order_relaxed);
     pthread_mutex_unlock(&p->lock);
     /* After the unlock, so the worker it wakes does not block on the lock
      * at once; no wake-up is lost, since a worker checks the queue under
-     * the lock before it waits. */
-    pthread_cond_signal(gpu ? &p->gcond[dev.index] : &p->cond);
+     * the lock before it waits.  A GPU's workers all wake: only its lane
+     * worker takes a large job. */
+    if (gpu)
+        pthread_cond_broadcast(&p->gcond[dev.index]);
+    else
+        pthread_cond_signal(&p->cond);
 }
 
 int pb_pool_running(pb_pool_t *p)

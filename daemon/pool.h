@@ -13,11 +13,11 @@
  * so a lone request uses the idle cores and a loaded pool runs every
  * request on its own worker alone.
  *
- * Devices: one queue per device.  The CPU's workers serve queue 0; each
- * GPU (cuda/gpu.h) gets queue 1 + its ordinal and workers of its own,
- * bound to it (its stream and library handles), so a request for a GPU
- * never waits behind CPU work or another GPU's.  GPU workers lend nothing
- * to kernels/par.c. */
+ * Devices: the CPU's workers serve queue 0; each GPU (cuda/gpu.h) gets
+ * queues and workers of its own, bound to it (its stream and library
+ * handles), so a request for a GPU never waits behind CPU work or another
+ * GPU's, and its large jobs run in a lane of their own (pb_gpu_worker_t).
+ * GPU workers lend nothing to kernels/par.c. */
 #ifndef PB_POOL_H
 #define PB_POOL_H
 
@@ -39,12 +39,19 @@ typedef struct pb_queue {
     pb_job_t *head, *tail;
 } pb_queue_t;
 
-#define PB_POOL_QUEUES (1 + PB_GPU_MAX_DEVICES)
+/* Queue 0 is the CPU's; GPU i has two, its small jobs' and its large
+ * jobs' (a cost of gpu_lane_flops or more). */
+#define PB_POOL_QUEUES (1 + 2 * PB_GPU_MAX_DEVICES)
 
-/* A GPU worker's thread and the device it serves. */
+/* A GPU worker's thread and the device it serves.  The lane worker (the
+ * first of each GPU's) runs that GPU's large jobs, the oldest first, and
+ * small ones when no large one waits; the others run small jobs only.  So
+ * one large job at a time runs on a GPU and, with two workers or more,
+ * small requests never wait behind large ones. */
 typedef struct pb_gpu_worker {
     struct pb_pool *pool;
     int dev;
+    bool lane;
     pthread_t thread;
 } pb_gpu_worker_t;
 
@@ -54,7 +61,8 @@ typedef struct pb_pool {
     pthread_mutex_t lock;
     pthread_cond_t cond;  /* CPU workers wait here */
     pthread_cond_t gcond[PB_GPU_MAX_DEVICES]; /* each GPU's workers */
-    pb_queue_t todo[PB_POOL_QUEUES]; /* 0: the CPU, 1 + i: GPU i */
+    pb_queue_t todo[PB_POOL_QUEUES]; /* 0: the CPU, 1 + 2i and 2 + 2i: GPU i's small and large */
+    double gpu_lane_flops;
     pb_queue_t finished;
     pthread_t *threads;
     int nthreads;
@@ -75,8 +83,9 @@ typedef struct pb_pool {
  * its device).  0, or a negative PB_E* code with the cause logged; on
  * failure nothing is left running, and the async handle's close completes
  * on the loop's next run. */
-int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n, int gpu_workers);
-void pb_pool_submit(pb_pool_t *p, pb_device_t dev, pb_job_t *job);
+int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n, int gpu_workers, double gpu_lane_flops);
+/* Queue job on dev; cost (estimated flops) picks a GPU's lane. */
+void pb_pool_submit(pb_pool_t *p, pb_device_t dev, double cost, pb_job_t *job);
 /* Jobs submitted and not finished: running on a worker or queued. */
 int pb_pool_running(pb_pool_t *p);
 /* Nanoseconds workers have spent running jobs (and helping, kernels/par.h). */

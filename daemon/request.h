@@ -80,6 +80,7 @@ struct pb_req {
     int rc;
     pb_err_t err;
     size_t conn_reserved;          /* counted in the connection's reserved: message, then reply */
+    size_t gpu_reserved;           /* device bytes reserved on its GPU while it runs (rpc.h) */
     /* Results written into buffers instead of the reply (forward,
      * augmented_forward, reverse), by output or wrt index; into_meta is
      * what was written (dtype, shape, order; no storage), for the reply.

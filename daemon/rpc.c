@@ -44,7 +44,8 @@ int pb_rpc_init(pb_rpc_t *r, uv_loop_t *loop, const pb_config_t *cfg, const pb_c
                            cfg->max_device_tape_bytes);
     if (rc)
         return rc;
-    if ((rc = pb_pool_init(&r->pool, loop, cfg->workers, cfg->gpu_workers)))
+    pb_rpc_set_gpu_caps(r, cfg->max_device_bytes);
+    if ((rc = pb_pool_init(&r->pool, loop, cfg->workers, cfg->gpu_workers, (double)cfg->gpu_lane_flops)))
         goto fail;
     int n = 0;
     for (size_t i = 0; i < sizeof methods / sizeof methods[0] && n < PB_METRICS_MAX_METHODS; i++)
@@ -170,14 +171,46 @@ void pb__req_reserve(pb_req_t *r, size_t bytes)
     pb_conn_reserve(r->conn, bytes);
 }
 
-void pb__req_submit(pb_req_t *r, double cost, pb_device_t dev)
+void pb__req_submit(pb_req_t *r, double cost, pb_device_t dev, size_t gpu_need)
 {
+    if (dev.kind == PB_DEV_CUDA) {
+        pb_rpc_t *rpc = r->rpc;
+        int g = dev.index;
+        size_t held = rpc->tapes.gpu_bytes[g] + rpc->gpu_reserved[g];
+        if (held > rpc->gpu_cap[g] || gpu_need > rpc->gpu_cap[g] - held) {
+            pb_err_set(&r->err, PB_ERESOURCE_EXHAUSTED, "max_device_bytes",
+                       "the request may need %zu bytes of cuda:%d's memory; tapes and requests running there hold "
+                       "%zu of max_device_bytes %zu",
+                       gpu_need, g, held, rpc->gpu_cap[g]);
+            r->rc = PB_ERESOURCE_EXHAUSTED;
+            r->job.done(&r->job);
+            return;
+        }
+        rpc->gpu_reserved[g] += gpu_need;
+        r->gpu_reserved = gpu_need;
+    }
     if (cost < PB_INLINE_COST && dev.kind == PB_DEV_CPU) {
         r->job.run(&r->job);
         r->job.done(&r->job);
     } else {
-        pb_pool_submit(&r->rpc->pool, dev, &r->job);
+        pb_pool_submit(&r->rpc->pool, dev, cost, &r->job);
     }
+}
+
+void pb_rpc_set_gpu_caps(pb_rpc_t *r, size_t max_device_bytes)
+{
+    for (int g = 0; g < pb_gpu_count(); g++) {
+        pb_gpu_info_t info = {.total_bytes = 0};
+        pb_gpu->info(g, &info);
+        r->gpu_cap[g] = max_device_bytes ? max_device_bytes : info.total_bytes / 8 * 7;
+    }
+}
+
+void pb__req_gpu_release(pb_req_t *r, pb_device_t dev)
+{
+    if (dev.kind == PB_DEV_CUDA)
+        r->rpc->gpu_reserved[dev.index] -= r->gpu_reserved;
+    r->gpu_reserved = 0;
 }
 
 /* ---- envelope ----------------------------------------------------------- */

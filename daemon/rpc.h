@@ -62,6 +62,12 @@ typedef struct pb_rpc {
     pb_metrics_t metrics;          /* requests by method and outcome, latencies */
     uint64_t start_ms;
     uid_t self_uid;
+    /* Each GPU's device memory for requests: the cap (max_device_bytes,
+     * or 7/8 of the device's memory), and the bytes the requests running
+     * there reserved.  A request reserves what it may need before it is
+     * queued, against the cap less the device's tapes, and is refused up
+     * front when that is past it (pb__req_submit). */
+    size_t gpu_cap[PB_GPU_MAX_DEVICES], gpu_reserved[PB_GPU_MAX_DEVICES];
     bool draining;                 /* admin drain: no new forward calls */
     bool stopping;                 /* the server is stopping (set by it) */
 } pb_rpc_t;
@@ -97,6 +103,14 @@ void pb__req_reserve(pb_req_t *r, size_t bytes);
  * the daemon's own uid. */
 bool pb__req_admin(const pb_req_t *r);
 /* Run r's job inline when it is cheap and on the CPU, else on the pool. */
-void pb__req_submit(pb_req_t *r, double cost, pb_device_t dev);
+/* Run r's job on dev: inline when small and on the CPU, else on the pool;
+ * on a GPU, after reserving gpu_need device bytes (refused up front with
+ * resource_exhausted naming max_device_bytes when they are past its cap:
+ * the job's done then runs with that error, and the job never). */
+void pb__req_submit(pb_req_t *r, double cost, pb_device_t dev, size_t gpu_need);
+/* Each GPU's cap: max_device_bytes, or 7/8 of its memory when 0. */
+void pb_rpc_set_gpu_caps(pb_rpc_t *r, size_t max_device_bytes);
+/* Give back what pb__req_submit reserved (the job's done calls it). */
+void pb__req_gpu_release(pb_req_t *r, pb_device_t dev);
 
 #endif

@@ -474,6 +474,7 @@ void pb_server_reload(pb_server_t *s)
     s->rpc.tapes.max_bytes = n.max_tape_bytes;
     s->rpc.tapes.max_bytes_per_uid = n.max_tape_bytes_per_uid;
     s->rpc.tapes.max_bytes_per_device = n.max_device_tape_bytes;
+    pb_rpc_set_gpu_caps(&s->rpc, n.max_device_bytes);
     pb_log_level = n.log_level;
     pb_config_warn(&s->cfg);
     set_memory_cap(s);

@@ -61,7 +61,7 @@ static void start_and_stop(int asked, int started)
     uv_loop_t loop;
     assert_int_equal(uv_loop_init(&loop), 0);
     pb_pool_t p;
-    assert_int_equal(pb_pool_init(&p, &loop, asked, 0), 0);
+    assert_int_equal(pb_pool_init(&p, &loop, asked, 0, 0), 0);
     assert_int_equal(p.nthreads, started);
     assert_int_equal(p.started, started);
     pb_pool_stop(&p);
@@ -90,11 +90,11 @@ static ctx_t *submit_jobs(uv_loop_t *loop, int n, int done0)
     assert_non_null(c);
     c->loop_thread = pthread_self();
     c->done = done0;
-    assert_int_equal(pb_pool_init(&c->pool, loop, n, 0), 0);
+    assert_int_equal(pb_pool_init(&c->pool, loop, n, 0, 0), 0);
     pb_device_t cpu = {PB_DEV_CPU, 0};
     for (int i = 0; i < NJOBS; i++) {
         c->jobs[i] = (tjob_t){.job = {.run = job_run, .done = job_done}, .ctx = c};
-        pb_pool_submit(&c->pool, cpu, &c->jobs[i].job);
+        pb_pool_submit(&c->pool, cpu, 0, &c->jobs[i].job);
     }
     return c;
 }

@@ -10,6 +10,7 @@ Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_gpu
 
 import os
 import sys
+import threading
 import time
 import unittest
 
@@ -62,7 +63,9 @@ class GpuCase(DaemonCase):
 
 class FakeGpu(GpuCase):
     DAEMON_ENV = {"PULLBACKD_FAKE_CUDA": "devices=2,memory=64M"}
-    DAEMON_ARGS = ["--max-device-tape-bytes", "1M"]
+    # Requests' reservations past the device's memory: the fake's running
+    # out midway is what test_device_memory_exhausted sees.
+    DAEMON_ARGS = ["--max-device-tape-bytes", "1M", "--max-device-bytes", "1G"]
 
     def test_devices_in_hello_ops_and_stats(self):
         h = self.c.hello()
@@ -206,6 +209,66 @@ class FakeGpu(GpuCase):
             buf.array(2048, (5, 4), np.float64)[...] = 1.0
             self.c.reverse(tape, {"y": np.ones((5, 3))}, into={"weight": gt}, accumulate=True)
             np.testing.assert_allclose(buf.view(gt), 1.0 + np.ones((5, 3)) @ x.T, **TOL[np.float64])
+
+
+class GpuLanes(GpuCase):
+    """Large GPU jobs run one at a time in their GPU's lane; small ones keep flowing beside them."""
+    DAEMON_ENV = {"PULLBACKD_FAKE_CUDA": "devices=1"}
+    DAEMON_ARGS = ["--gpu-workers", "2", "--gpu-lane-flops", os.environ.get("PB_TEST_LANE_FLOPS", "1G")]
+
+    def test_small_requests_pass_large_ones(self):
+        n = 2048  # 2·n³ = 17 Gflop a forward: large, about a second on the fake
+        W = np.ones((n, n)) / n
+        done = {}
+
+        def large(k):
+            with pullbackd.Client(self.path, timeout=120) as c:
+                c.forward("fused_dense", {"weight": W, "x": W}, device="cuda")
+                done[f"L{k}"] = time.monotonic()
+
+        threads = [threading.Thread(target=large, args=(k,)) for k in (1, 2)]
+        for t in threads:
+            t.start()
+        self.wait_for(lambda: self.c.stats()["requests_in_flight"] >= 2, "both large requests in flight", 60)
+        sent = time.monotonic()
+        y = self.c.forward("fused_dense", {"weight": np.eye(3), "x": np.ones((3, 2))}, device="cuda")["y"]
+        done["S"] = time.monotonic()
+        for t in threads:
+            t.join(120)
+        np.testing.assert_array_equal(y, np.ones((3, 2)))
+        self.assertEqual(sorted(done), ["L1", "L2", "S"])
+        # Behind a large job the small one would wait for most of it; in a
+        # lane of its own it takes a small part of the time to the first
+        # large reply.
+        self.assertLess(done["S"] - sent, (min(done["L1"], done["L2"]) - sent) / 4,
+                        f"the small request took {done['S'] - sent:.3f} s; the large replies came "
+                        f"{done['L1'] - sent:.3f} and {done['L2'] - sent:.3f} s after it was sent")
+
+
+class DeviceCap(GpuCase):
+    """A request that may need more device memory than the cap leaves is refused before it runs."""
+    DAEMON_ENV = {"PULLBACKD_FAKE_CUDA": "devices=1,memory=64M"}
+    DAEMON_ARGS = ["--max-device-bytes", "8M"]
+
+    def test_refused_up_front(self):
+        # W, x and y of 2.7 MiB each, and as much again for temporaries: 16.5 MiB.
+        W = np.ones((600, 600))
+        e = self.assertCode("resource_exhausted", self.c.forward, "fused_dense", {"weight": W, "x": W},
+                            device="cuda")
+        self.assertEqual(e.details.get("limit"), "max_device_bytes")
+        self.assertIn("of max_device_bytes 8388608", e.message)
+        self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
+        # 2·(2.7 MiB + 9.4 KiB) fits alone; beside a tape that keeps W
+        # (2.7 MiB) it does not.
+        inputs = {"weight": W, "x": np.ones((600, 1))}
+        y, tape = self.c.augmented_forward("fused_dense", inputs, wrt=["x"], device="cuda")
+        e = self.assertCode("resource_exhausted", self.c.forward, "fused_dense", inputs, device="cuda")
+        self.assertEqual(e.details.get("limit"), "max_device_bytes")
+        self.c.release(tape)
+        y = self.c.forward("fused_dense", inputs, device="cuda")["y"]
+        np.testing.assert_array_equal(y, np.full((600, 1), 600.0))
+        # The CPU has no such cap.
+        self.c.forward("fused_dense", {"weight": W, "x": W})
 
 
 class FailedGpu(GpuCase):
