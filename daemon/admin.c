@@ -1,7 +1,9 @@
 /* The admin and buffer methods (methods.h): hello, ops, stats, metrics,
  * drain, shutdown, register_buffer and unregister_buffer.  All answer at once, on
  * the loop thread. */
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <unistd.h>
 
 #include "../kernels/par.h"
@@ -41,15 +43,17 @@ void pb__m_stats(pb_req_t *r, const msgpack_object *p, pb_storage_t *m)
 
 /* ---- metrics ---------------------------------------------------------- */
 
+/* Tapes and their bytes by device (0: the CPU, 1 + i: GPU i) and scope. */
 typedef struct scopes {
-    size_t tapes[2], bytes[2]; /* [peer_scope] */
+    size_t tapes[1 + PB_GPU_MAX_DEVICES][2], bytes[1 + PB_GPU_MAX_DEVICES][2]; /* [device][peer_scope] */
 } scopes_t;
 
 static void count_scope(pb_tape_t *t, void *ctx)
 {
-    scopes_t *s = ctx;
-    s->tapes[t->peer_scope]++;
-    s->bytes[t->peer_scope] += t->bytes;
+    scopes_t *sc = ctx;
+    int d = t->data.device.kind == PB_DEV_CUDA ? 1 + t->data.device.index : 0;
+    sc->tapes[d][t->peer_scope]++;
+    sc->bytes[d][t->peer_scope] += t->bytes;
 }
 
 static void gauge(pb_prom_t *p, const char *name, const char *type, const char *help, double v)
@@ -63,19 +67,37 @@ static void write_gauges(pb_req_t *r, pb_prom_t *p)
     pb_rpc_t *rpc = r->rpc;
     gauge(p, "pullbackd_requests_in_flight", "gauge", "Requests being served, this scrape not counted.",
           (double)(rpc->requests_in_flight - 1));
-    scopes_t sc = {{0, 0}, {0, 0}};
+    scopes_t sc;
+    memset(&sc, 0, sizeof sc);
     pb_tapes_foreach(&rpc->tapes, count_scope, &sc);
     static const char *const scope_names[2] = {"connection", "peer"};
+    char names[1 + PB_GPU_MAX_DEVICES][16] = {"cpu"};
+    int ndev = 1 + pb_gpu_count();
+    for (int d = 1; d < ndev; d++)
+        snprintf(names[d], sizeof names[d], "cuda:%d", d - 1);
     pb_prom_family(p, "pullbackd_tapes", "gauge", "Tapes held, by device and scope.");
-    for (int k = 0; k < 2; k++)
-        pb_prom_sample(p, "pullbackd_tapes",
-                       (pb_label_t[]){{"device", "cpu"}, {"scope", scope_names[k]}, {NULL, NULL}},
-                       (double)sc.tapes[k]);
+    for (int d = 0; d < ndev; d++)
+        for (int k = 0; k < 2; k++)
+            pb_prom_sample(p, "pullbackd_tapes",
+                           (pb_label_t[]){{"device", names[d]}, {"scope", scope_names[k]}, {NULL, NULL}},
+                           (double)sc.tapes[d][k]);
     pb_prom_family(p, "pullbackd_tape_bytes", "gauge", "Bytes of tensor data the tapes hold, by device and scope.");
-    for (int k = 0; k < 2; k++)
-        pb_prom_sample(p, "pullbackd_tape_bytes",
-                       (pb_label_t[]){{"device", "cpu"}, {"scope", scope_names[k]}, {NULL, NULL}},
-                       (double)sc.bytes[k]);
+    for (int d = 0; d < ndev; d++)
+        for (int k = 0; k < 2; k++)
+            pb_prom_sample(p, "pullbackd_tape_bytes",
+                           (pb_label_t[]){{"device", names[d]}, {"scope", scope_names[k]}, {NULL, NULL}},
+                           (double)sc.bytes[d][k]);
+    if (ndev > 1) {
+        pb_prom_family(p, "pullbackd_device_memory_bytes", "gauge",
+                       "Device memory the daemon holds on each GPU (tapes and running requests).");
+        for (int d = 1; d < ndev; d++)
+            pb_prom_sample(p, "pullbackd_device_memory_bytes", (pb_label_t[]){{"device", names[d]}, {NULL, NULL}},
+                           (double)pb_gpu->used(d - 1));
+        pb_prom_family(p, "pullbackd_device_failed", "gauge", "1 for a GPU that has failed (a sticky CUDA error).");
+        for (int d = 1; d < ndev; d++)
+            pb_prom_sample(p, "pullbackd_device_failed", (pb_label_t[]){{"device", names[d]}, {NULL, NULL}},
+                           pb_gpu->failed(d - 1) ? 1.0 : 0.0);
+    }
     gauge(p, "pullbackd_tape_bytes_limit", "gauge", "max_tape_bytes: the cap on all tapes' bytes.",
           (double)rpc->cfg->max_tape_bytes);
     size_t nbuf, buf_bytes;

@@ -147,6 +147,13 @@ class FakeGpu(GpuCase):
         self.assertEqual((d["tapes"], d["tape_bytes"], d["used_bytes"]), (1, tape.tape_bytes, tape.tape_bytes))
         self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
         self.assertEqual(self.c.stats()["tape_bytes"], tape.tape_bytes)
+        metrics = self.c.call("metrics")["text"].splitlines()
+        for line in (f'pullbackd_tapes{{device="cuda:1",scope="connection"}} 1',
+                     f'pullbackd_tape_bytes{{device="cuda:1",scope="connection"}} {tape.tape_bytes}',
+                     'pullbackd_tapes{device="cpu",scope="connection"} 0',
+                     f'pullbackd_device_memory_bytes{{device="cuda:1"}} {tape.tape_bytes}',
+                     'pullbackd_device_failed{device="cuda:1"} 0'):
+            self.assertIn(line, metrics)
         self.c.reverse(tape, {"y": np.ones((16, 8))})
         d = self.device("cuda:1")
         self.assertEqual((d["tapes"], d["tape_bytes"], d["used_bytes"]), (0, 0, 0))
