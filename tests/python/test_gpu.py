@@ -191,6 +191,31 @@ class FakeGpu(GpuCase):
         y = self.c.forward("fused_dense", {"weight": W[:4, :4], "x": np.ones((4, 2))}, device="cuda:0")["y"]
         np.testing.assert_array_equal(y, np.full((4, 2), 4.0))
 
+    def test_torch_on_the_gpu(self):
+        """pullbackd.torch with device="cuda": CPU tensors here, the rule and its tape on the daemon's GPU."""
+        try:
+            import torch
+        except ImportError:
+            self.skipTest("no torch")
+        import pullbackd.torch as pbt
+        W, x, b = (torch.tensor(a, requires_grad=True) for a in self.data())
+        grads = {}
+        for dev in ("cpu", "cuda"):
+            y = pbt.fused_dense(W, x, b, act="gelu", client=self.c, device=dev)
+            if dev == "cuda":
+                self.assertEqual(self.device("cuda:0")["tapes"], 1)
+            (y * y).sum().backward()
+            grads[dev] = [t.grad.clone() for t in (W, x, b)]
+            for t in (W, x, b):
+                t.grad = None
+        for g_cpu, g_gpu in zip(grads["cpu"], grads["cuda"]):
+            torch.testing.assert_close(g_gpu, g_cpu, rtol=1e-12, atol=1e-13)
+        self.wait_for(lambda: self.device("cuda:0")["tapes"] == 0, "the graph's tape released")
+        A = torch.randn(3, 4, 5, dtype=torch.complex128, requires_grad=True)
+        B = torch.randn(5, 2, dtype=torch.complex128, requires_grad=True)
+        self.assertTrue(torch.autograd.gradcheck(
+            lambda a, bb: pbt.tensorcontract(a, bb, spec="abc,cd->abd", client=self.c, device="cuda:1"), (A, B)))
+
     def test_devices_not_served(self):
         W, x, b = self.data()
         e = self.assertCode("device_unavailable", self.c.forward, "fused_dense", {"weight": W, "x": x},

@@ -154,8 +154,9 @@ class _Releaser:
 class _Spec:
     """What a call passes to the autograd function beside the tensors, and what it gets back."""
 
-    def __init__(self, client, op, names, options, scalars, ttl_s):
+    def __init__(self, client, op, names, options, scalars, ttl_s, device):
         self.client = client
+        self.device = device  # the daemon's device the op runs on (None: its default)
         self.op = op
         self.names = names  # input names (then alpha/beta), in the order of the tensors
         self.options = options  # options without the differentiable scalars
@@ -276,7 +277,7 @@ class _DaemonOp(torch.autograd.Function):
         client = spec.client
         with _lock(client):
             outputs, tape = client.augmented_forward(spec.op, inputs, wrt=wrt, options=options or None,
-                                                     ttl_s=spec.ttl_s)
+                                                     ttl_s=spec.ttl_s, device=spec.device)
         spec.out_names = list(outputs)
         ctx.spec, ctx.tape, ctx.wrt = spec, tape, wrt
         ctx.in_meta = [(t.dtype, t.shape) for t in tensors]
@@ -318,14 +319,17 @@ def _unpack_hook(packed):
     return packed[0]
 
 
-def call(op, inputs, options=None, client=None, *, ttl_s=None):
+def call(op, inputs, options=None, client=None, *, ttl_s=None, device=None):
     """Run ``op`` on ``inputs`` (name -> CPU tensor); a dict of output tensors.
 
     Differentiable in every input that requires grad; ``options`` are the
     op's options as the contract names them (``alpha``/``beta`` may be
     scalar tensors, differentiable too). ``client`` defaults to
     default_client(). ``ttl_s`` bounds how long the tape waits unused
-    (the daemon's default is 600 s).
+    (the daemon's default is 600 s). ``device`` is where the daemon runs
+    the op: ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` (None: the daemon's
+    default); the tensors stay CPU tensors here, and on a GPU the tape
+    stays in the daemon's device memory.
     """
     if client is not None and not isinstance(client, _pb.Client):
         raise TypeError(f"client must be a pullbackd.Client, not {type(client).__name__}")
@@ -346,11 +350,11 @@ def call(op, inputs, options=None, client=None, *, ttl_s=None):
     if not needs_grad:
         wire_inputs, wire_options = _wire(list(tensors), list(tensors.values()), options, set(scalars))
         with _lock(client):
-            outputs = client.forward(op, wire_inputs, options=wire_options or None)
+            outputs = client.forward(op, wire_inputs, options=wire_options or None, device=device)
         return {k: _to_torch(v) for k, v in outputs.items()}
     names = list(tensors)
     args = [torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in tensors.values()]
-    spec = _Spec(client, op, names, options, set(scalars), ttl_s)
+    spec = _Spec(client, op, names, options, set(scalars), ttl_s, device)
     # The tape's releaser rides on the one tensor the function saves, so it lives exactly as long
     # as the graph's saved state: PyTorch drops that after a backward without retain_graph, or
     # with the graph. forward puts the releaser on spec before it saves; the pack hook takes it.
@@ -376,17 +380,18 @@ def _outputs(op, got):
     return got[names[0]] if len(names) == 1 else tuple(got[n] for n in names)
 
 
-def fused_dense(weight, x, bias=None, act="identity", client=None, *, ttl_s=None):
+def fused_dense(weight, x, bias=None, act="identity", client=None, *, ttl_s=None, device=None):
     """``act.(weight @ x .+ bias)`` (LuxLib's fused_dense_bias_activation); x is in×batch or a vector.
 
     act: identity, relu, leakyrelu, sigmoid, tanh, gelu (tanh form), gelu_erf, silu, softplus, elu.
-    ``ttl_s``, here and in every convenience, as in ``call``.
+    ``ttl_s`` and ``device``, here and in every convenience, as in ``call``.
     """
-    return call("fused_dense", {"weight": weight, "x": x, "bias": bias}, {"act": act}, client, ttl_s=ttl_s)["y"]
+    return call("fused_dense", {"weight": weight, "x": x, "bias": bias}, {"act": act}, client, ttl_s=ttl_s,
+                device=device)["y"]
 
 
 def tensorcontract(*operands, spec=None, C=None, pA=None, pB=None, pAB=None, conjA=None, conjB=None,
-                   alpha=None, beta=None, client=None, ttl_s=None):
+                   alpha=None, beta=None, client=None, ttl_s=None, device=None):
     """``beta*C + alpha*contract(opA(A), opB(B))`` (TensorOperations' tensorcontract!).
 
     einsum-like, ``tensorcontract("ij,jk->ik", A, B)`` (no repeated or batch
@@ -404,27 +409,28 @@ def tensorcontract(*operands, spec=None, C=None, pA=None, pB=None, pAB=None, con
     A, B = operands
     options = {"spec": spec, "pA": pA, "pB": pB, "pAB": pAB, "conjA": conjA, "conjB": conjB,
                "alpha": alpha, "beta": beta}
-    return call("tensorcontract", {"A": A, "B": B, "C": C}, options, client, ttl_s=ttl_s)["C"]
+    return call("tensorcontract", {"A": A, "B": B, "C": C}, options, client, ttl_s=ttl_s, device=device)["C"]
 
 
-def tensoradd(A, C=None, *, pA=None, conjA=None, alpha=None, beta=None, client=None, ttl_s=None):
+def tensoradd(A, C=None, *, pA=None, conjA=None, alpha=None, beta=None, client=None, ttl_s=None, device=None):
     """``beta*C + alpha*permute(opA(A), pA)`` (TensorOperations' tensoradd!)."""
     options = {"pA": pA, "conjA": conjA, "alpha": alpha, "beta": beta}
-    return call("tensoradd", {"A": A, "C": C}, options, client, ttl_s=ttl_s)["C"]
+    return call("tensoradd", {"A": A, "C": C}, options, client, ttl_s=ttl_s, device=device)["C"]
 
 
-def tensortrace(A, C=None, *, p=None, q=None, conjA=None, alpha=None, beta=None, client=None, ttl_s=None):
+def tensortrace(A, C=None, *, p=None, q=None, conjA=None, alpha=None, beta=None, client=None, ttl_s=None,
+                device=None):
     """``beta*C + alpha*Σ_k permute(opA(A), p ++ q1 ++ q2)[..., k, k]`` (TensorOperations' tensortrace!).
 
     ``q = [q1, q2]``: axis q1[i] is traced against q2[i]; ``p`` the free axes in output order.
     """
     options = {"p": p, "q": q, "conjA": conjA, "alpha": alpha, "beta": beta}
-    return call("tensortrace", {"A": A, "C": C}, options, client, ttl_s=ttl_s)["C"]
+    return call("tensortrace", {"A": A, "C": C}, options, client, ttl_s=ttl_s, device=device)["C"]
 
 
 def _factorization(op):
-    def f(A, client=None, *, ttl_s=None, **options):
-        return _outputs(op, call(op, {"A": A}, options, client, ttl_s=ttl_s))
+    def f(A, client=None, *, ttl_s=None, device=None, **options):
+        return _outputs(op, call(op, {"A": A}, options, client, ttl_s=ttl_s, device=device))
 
     outs = ", ".join(OPS[op])
     f.__name__ = f.__qualname__ = op
