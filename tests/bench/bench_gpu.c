@@ -5,6 +5,10 @@
  *     and reverse (dz kernel, two GEMMs, row sum) ÷ its two GEMMs, at
  *     (out, in, batch) = (4096, 4096, 1024) and (8192, 8192, 256), f32 and
  *     f64, gelu (issue 12: each ≤ 1.10);
+ *   - tensorcontract abcd,dcfe->fbea (f64 and c128, operands of about
+ *     1 GiB; --quick: 8 MiB), the op's own forward on the device (its
+ *     permutations and GEMM, cuda/exec.h) ÷ the GEMM of the same sizes
+ *     (issue 12: ≤ 1.15);
  *   - the permutation pass (pb_gpu->strided, a rank-4 transpose
  *     abcd -> dcba) against a contiguous pass of the same bytes (≥ 0.7 of
  *     its bandwidth);
@@ -12,7 +16,10 @@
  *     and output through the host staging) beside them, for what a
  *     request adds.
  * Each figure is the median of 5 runs after a warm-up.  Exits 77 with "no
- * CUDA device" where the module or a GPU is missing.
+ * CUDA device" where the module or a GPU is missing.  With
+ * PULLBACKD_FAKE_CUDA set it runs the quick shapes through the host fake
+ * instead: figures of nothing, a check that the program works before a
+ * GPU's minutes are spent on it.
  *
  *   bench_gpu [--quick]     (--quick: the smaller shape only) */
 #include <stdio.h>
@@ -20,11 +27,12 @@
 #include <string.h>
 
 #include "bench_util.h"
+#include "cuda/exec.h"
 #include "cuda/gpu.h"
 #include "kernels/act.h"
 #include "kernels/op.h"
 
-extern const pb_op_t pb_op_fused_dense;
+extern const pb_op_t pb_op_fused_dense, pb_op_tensorcontract;
 
 static const pb_gpu_backend_t *G;
 
@@ -165,6 +173,80 @@ static void bench_op(int dtype, long out, long in, long batch)
     pb_call_clear(&c);
 }
 
+/* tensorcontract on device-resident operands: the call (its inputs device
+ * tensors, made while the thread executes on cuda:0), and the GEMM of
+ * the same sizes on buffers of its own. */
+typedef struct {
+    pb_call_t call;
+    int dtype;
+    long m, n, k;
+    void *a, *b, *c;
+} tc_t;
+
+static tc_t TC;
+
+static void run_contract(fd_t *f)
+{
+    (void)f;
+    pb_err_t err;
+    pb_exec_enter(0);
+    int rc = pb_op_tensorcontract.forward[PB_DEV_CPU](&TC.call, NULL, &err);
+    int failed = pb_exec_leave();
+    ok(rc ? rc : failed, "tensorcontract");
+    pb_tensor_clear(&TC.call.out[0]);
+}
+
+static void run_contract_gemm(fd_t *f)
+{
+    (void)f;
+    ok(G->gemm(TC.dtype, 'N', 'N', (int)TC.m, (int)TC.n, (int)TC.k, ONE, TC.a, (int)TC.m, TC.b, (int)TC.k, ZERO,
+               TC.c, (int)TC.m),
+       "gemm");
+}
+
+static void bench_contract(pb_dtype_t d, long s)
+{
+    pb_call_t *c = &TC.call;
+    memset(c, 0, sizeof *c);
+    c->op = &pb_op_tensorcontract;
+    c->device = (pb_device_t){PB_DEV_CUDA, 0};
+    c->dtype = d;
+    c->order = 'C';
+    uint64_t shape[4] = {(uint64_t)s, (uint64_t)s, (uint64_t)s, (uint64_t)s};
+    pb_exec_enter(0); /* the inputs are device tensors */
+    int rc = pb_tensor_alloc(&c->in[0], d, 4, shape, 'C', true);
+    if (rc == 0)
+        rc = pb_tensor_alloc(&c->in[1], d, 4, shape, 'C', true);
+    ok(rc ? rc : pb_exec_leave(), "device operands");
+    for (int k = 0; k < pb_op_tensorcontract.noptions; k++)
+        if (strcmp(pb_op_tensorcontract.options[k].name, "spec") == 0) {
+            c->opt[k].given = true;
+            snprintf(c->opt[k].text, sizeof c->opt[k].text, "abcd,dcfe->fbea");
+        }
+    pb_call_defaults(c);
+    pb_err_t err;
+    if (pb_op_tensorcontract.validate(c, &err)) {
+        fprintf(stderr, "tensorcontract: %s\n", err.message);
+        exit(1);
+    }
+    size_t es = pb_dtype_size(d);
+    TC.dtype = (int)d;
+    TC.m = TC.n = TC.k = s * s;
+    TC.a = dalloc(es * (size_t)(TC.m * TC.k));
+    TC.b = dalloc(es * (size_t)(TC.k * TC.n));
+    TC.c = dalloc(es * (size_t)(TC.m * TC.n));
+    ok(G->zero(TC.a, es * (size_t)(TC.m * TC.k)), "zero");
+    ok(G->zero(TC.b, es * (size_t)(TC.k * TC.n)), "zero");
+    double g = timed(run_contract_gemm, NULL), t = timed(run_contract, NULL);
+    printf("tensorcontract abcd,dcfe->fbea %s, sides %ld (%zu MiB an operand): GEMM %.3f ms, forward %.3f ms: "
+           "%.3f\n",
+           pb_dtype_name(d), s, es * (size_t)(TC.m * TC.k) >> 20, g * 1e3, t * 1e3, t / g);
+    G->free(0, TC.a);
+    G->free(0, TC.b);
+    G->free(0, TC.c);
+    pb_call_clear(c);
+}
+
 typedef struct {
     pb_gpu_loop_t perm, flat;
     void *src, *dst;
@@ -217,7 +299,10 @@ int main(int argc, char **argv)
     bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
     char why[200] = "";
     int n = pb_gpu_init(why, sizeof why);
-    if (n <= 0 || strcmp(pb_gpu->name, "cuda") != 0) {
+    if (n > 0 && strcmp(pb_gpu->name, "fake") == 0) {
+        printf("the host fake (PULLBACKD_FAKE_CUDA): these figures say nothing of a GPU\n");
+        quick = true;
+    } else if (n <= 0) {
         const char *whynot;
         const pb_gpu_backend_t *real = pb__gpu_real(&whynot);
         printf("no CUDA device: %s\n", n < 0 ? why : real ? real->last_error() : whynot);
@@ -228,12 +313,14 @@ int main(int argc, char **argv)
     ok(G->info(0, &info), "info");
     printf("cuda:0: %s, %zu MiB\n", info.name, info.total_bytes >> 20);
     ok(G->thread_init(0), "thread_init");
-    static const long shapes[2][3] = {{4096, 4096, 1024}, {8192, 8192, 256}};
-    for (int s = 0; s < (quick ? 1 : 2); s++)
+    static const long shapes[3][3] = {{512, 512, 128}, {4096, 4096, 1024}, {8192, 8192, 256}};
+    for (int s = quick ? 0 : 1; s < (quick ? 1 : 3); s++)
         for (int dtype = 0; dtype < 2; dtype++) {
             bench_fused_dense(dtype, shapes[s][0], shapes[s][1], shapes[s][2]);
             bench_op(dtype, shapes[s][0], shapes[s][1], shapes[s][2]);
         }
+    bench_contract(PB_F64, quick ? 32 : 107);
+    bench_contract(PB_C128, quick ? 24 : 90);
     bench_permute(quick ? 64 : 128);
     G->thread_fini();
     return 0;
