@@ -112,6 +112,17 @@ pb_scalar_t pb__exec_dot(pb_dtype_t d, const pb_loop_t *L, const void *a, bool c
 void pb__exec_gemm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a, int lda,
                    const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
 {
+    bool cplx = pb_dtype_is_complex(d);
+    if (alpha.re == 0 && (!cplx || alpha.im == 0)) {
+        /* As the CPU's GEMM (kernels/blas_t.h): a and b are not read, so
+         * NaN and Inf there reach nothing; C = beta·C, zeros for beta = 0
+         * (C not read either). */
+        if (beta.re == 1 && (!cplx || beta.im == 0))
+            return;
+        pb_loop_t L = {.rank = 2, .dim = {(uint64_t)m, (uint64_t)n}, .s = {{1, ldc}, {1, ldc}, {0, 0}}};
+        pb__exec_strided(d, &L, c, c, false, beta, NULL, (pb_scalar_t){0, 0}, false);
+        return;
+    }
     double al[2] = {alpha.re, alpha.im}, be[2] = {beta.re, beta.im};
     EXEC(pb_gpu->gemm((int)d, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc));
 }

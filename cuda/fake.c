@@ -18,7 +18,7 @@
 #include "../kernels/strided.h"
 
 /* One allocation: the address handed out (PROT_NONE) and the shadow the
- * fake reads and writes, two mappings of one memfd. */
+ * fake reads and writes, two mappings of the same shared pages. */
 typedef struct fake_block {
     int dev;
     char *addr, *shadow;
@@ -30,6 +30,7 @@ static struct {
     int ndev;
     size_t memory;
     long sticky_after; /* < 0: never */
+    int unbindable;    /* a device thread_init refuses, or -1 */
     atomic_long calls;
     size_t used[PB_GPU_MAX_DEVICES];
     atomic_int failed[PB_GPU_MAX_DEVICES];
@@ -134,6 +135,8 @@ static int fake_thread_init(int dev)
 {
     if (dev < 0 || dev >= F.ndev)
         fake_abort("thread_init: no device %d", dev);
+    if (dev == F.unbindable)
+        return fail(PB_EINTERNAL, "thread_init: device %d refuses its workers (injected: unbindable=%d)", dev, dev);
     bound = dev;
     return 0;
 }
@@ -161,14 +164,18 @@ static int fake_alloc(int dev, size_t bytes, void **p)
     pthread_mutex_unlock(&F.lock);
     if (!room)
         return fail(PB_ENOMEM, "alloc: %zu bytes past device %d's %zu", bytes, dev, F.memory);
-    int fd = memfd_create("pb-fake-gpu", MFD_CLOEXEC);
-    char *addr = MAP_FAILED, *shadow = MAP_FAILED;
-    if (fd >= 0 && ftruncate(fd, (off_t)mapped) == 0) {
-        addr = mmap(NULL, mapped, PROT_NONE, MAP_SHARED, fd, 0);
-        shadow = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    /* Shared anonymous pages, mapped a second time by mremap (an old size
+     * of 0 duplicates a shared mapping), that one without access: no file
+     * descriptor, so a worker's allocation never takes an fd number the
+     * loop thread is still closing. */
+    char *shadow = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0), *addr = MAP_FAILED;
+    if (shadow != MAP_FAILED) {
+        addr = mremap(shadow, 0, mapped, MREMAP_MAYMOVE);
+        if (addr != MAP_FAILED && mprotect(addr, mapped, PROT_NONE) != 0) {
+            munmap(addr, mapped);
+            addr = MAP_FAILED;
+        }
     }
-    if (fd >= 0)
-        close(fd);
     pthread_mutex_lock(&F.lock);
     if (addr != MAP_FAILED && shadow != MAP_FAILED && F.nblocks == F.cap) {
         size_t cap = F.cap ? 2 * F.cap : 64;
@@ -230,6 +237,13 @@ static size_t fake_used(int dev)
 static int fake_failed(int dev)
 {
     return atomic_load(&F.failed[dev]);
+}
+
+static void fake_set_failed(int dev)
+{
+    if (dev < 0 || dev >= F.ndev)
+        fake_abort("set_failed: no device %d", dev);
+    atomic_store(&F.failed[dev], 1);
 }
 
 static int fake_h2d(void *dst, const void *src, size_t n)
@@ -471,6 +485,7 @@ static const pb_gpu_backend_t fake = {
     .free = fake_free,
     .used = fake_used,
     .failed = fake_failed,
+    .set_failed = fake_set_failed,
     .h2d = fake_h2d,
     .d2h = fake_d2h,
     .zero = fake_zero,
@@ -514,6 +529,7 @@ const pb_gpu_backend_t *pb__gpu_fake(const char *spec, char *msg, size_t len)
     F.ndev = 1;
     F.memory = 1ull << 30;
     F.sticky_after = -1;
+    F.unbindable = -1;
     atomic_store(&F.calls, 0);
     for (int d = 0; d < PB_GPU_MAX_DEVICES; d++) {
         F.used[d] = 0;
@@ -532,9 +548,12 @@ const pb_gpu_backend_t *pb__gpu_fake(const char *spec, char *msg, size_t len)
             F.memory = (size_t)v;
         else if (klen == 12 && !strncmp(p, "sticky_after", 12) && v < (1ull << 62))
             F.sticky_after = (long)v;
+        else if (klen == 10 && !strncmp(p, "unbindable", 10) && v < PB_GPU_MAX_DEVICES)
+            F.unbindable = (int)v;
         else {
             snprintf(msg, len,
-                     "PULLBACKD_FAKE_CUDA: \"%.*s\": settings are devices=1..%d, memory=BYTES[K|M|G], sticky_after=N",
+                     "PULLBACKD_FAKE_CUDA: \"%.*s\": settings are devices=1..%d, memory=BYTES[K|M|G], "
+                     "sticky_after=N, unbindable=DEVICE",
                      (int)n, p, PB_GPU_MAX_DEVICES);
             return NULL;
         }

@@ -9,12 +9,13 @@
  *   sticky_after=K  the (K+1)-th stream call (copy, GEMM, kernel) on any
  *                   device fails that device with a sticky error, as an
  *                   illegal address would (default: never)
+ *   unbindable=D    device D's thread_init fails (its workers cannot bind)
  * An empty value is "devices=1".  The daemon reads it once at start.
  *
  * What it checks, each by aborting the process with a "fake CUDA:" line
  * on stderr (a test that trips one fails):
  *   - device memory is a mapping the host cannot touch: each allocation is
- *     a memfd mapped twice, PROT_NONE at the address handed out and
+ *     shared pages mapped twice, PROT_NONE at the address handed out and
  *     read-write at a shadow the fake alone uses; a host dereference of a
  *     device pointer faults;
  *   - every device pointer a call is given lies, with the extent the call

@@ -79,6 +79,9 @@ typedef struct pb_gpu_backend {
     /* Bytes allocated now on dev. */
     size_t (*used)(int dev);
     int (*failed)(int dev);
+    /* Mark dev failed, as a sticky error would (a worker that cannot bind
+     * to it at start: the daemon then serves the CPU and the other GPUs). */
+    void (*set_failed)(int dev);
     /* Stream: copies between host memory (any, pageable) and the device. */
     int (*h2d)(void *dst, const void *src, size_t n);
     int (*d2h)(void *dst, const void *src, size_t n);

@@ -987,6 +987,12 @@ size_t real_used(int dev)
     return valid_dev(dev) ? g_dev[dev].used.load() : 0;
 }
 
+void real_set_failed(int dev)
+{
+    if (valid_dev(dev))
+        g_dev[dev].failed.store(true);
+}
+
 int real_failed(int dev)
 {
     return valid_dev(dev) ? (int)g_dev[dev].failed.load() : 1;
@@ -1267,6 +1273,7 @@ const pb_gpu_backend_t real_backend = {
     .free = real_free,
     .used = real_used,
     .failed = real_failed,
+    .set_failed = real_set_failed,
     .h2d = real_h2d,
     .d2h = real_d2h,
     .zero = real_zero,

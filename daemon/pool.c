@@ -144,12 +144,15 @@ static void *gpu_worker_main(void *arg)
     pb_gpu_worker_t *w = arg;
     pb_pool_t *p = w->pool;
     int bound = pb_gpu->thread_init(w->dev);
-    if (bound)
-        pb_log(PB_LOG_ERR, "cuda:%d: a worker cannot bind to the device: %s", w->dev, pb_gpu->last_error());
+    if (bound) {
+        /* The device serves nothing then (requests for it are refused),
+         * and the CPU and the other GPUs go on. */
+        pb_log(PB_LOG_ERR, "cuda:%d: a worker cannot bind to the device (%s): marked failed", w->dev,
+               pb_gpu->last_error());
+        pb_gpu->set_failed(w->dev);
+    }
     pthread_mutex_lock(&p->lock);
     p->started++;
-    if (bound)
-        p->bind_failed = true;
     pthread_cond_broadcast(&p->cond);
     pb_queue_t *small = &p->todo[1 + 2 * w->dev], *large = &p->todo[2 + 2 * w->dev];
     while (bound == 0) {
@@ -203,6 +206,10 @@ static int start_gpu_workers(pb_pool_t *p, int gpu_workers)
     p->gworkers = calloc((size_t)want, sizeof *p->gworkers);
     if (p->gworkers == NULL) {
         pb_log(PB_LOG_ERR, "worker pool: out of memory for %d GPU workers", want);
+        pthread_mutex_lock(&p->lock);
+        p->stopping = true; /* the CPU workers leave: nothing is left running */
+        pthread_cond_broadcast(&p->cond);
+        pthread_mutex_unlock(&p->lock);
         return PB_ENOMEM;
     }
     int why = 0;
@@ -216,7 +223,7 @@ static int start_gpu_workers(pb_pool_t *p, int gpu_workers)
     pthread_mutex_lock(&p->lock);
     while (p->started < p->nthreads + p->ngworkers)
         pthread_cond_wait(&p->cond, &p->lock);
-    bool failed = p->bind_failed || p->ngworkers < want;
+    bool failed = p->ngworkers < want;
     if (failed)
         p->stopping = true;
     pthread_cond_broadcast(&p->cond);
@@ -225,10 +232,9 @@ static int start_gpu_workers(pb_pool_t *p, int gpu_workers)
     pthread_mutex_unlock(&p->lock);
     if (!failed)
         return 0;
-    if (p->ngworkers < want)
-        pb_log(PB_LOG_ERR, "worker pool: cannot start a GPU worker: %s", uv_strerror(-why));
+    pb_log(PB_LOG_ERR, "worker pool: cannot start a GPU worker: %s", uv_strerror(-why));
     join_gpu_workers(p);
-    return why ? pb_err_from_sys(-why) : PB_EDEVICE_UNAVAILABLE;
+    return pb_err_from_sys(-why);
 }
 
 int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n, int gpu_workers, double gpu_lane_flops)

@@ -71,7 +71,6 @@ typedef struct pb_pool {
     int ngworkers;
     int busy;             /* jobs taken by CPU workers and not finished */
     int gbusy;            /* and by GPU workers */
-    bool bind_failed;     /* a GPU worker could not bind at start */
     int helping;          /* idle workers running another job's pieces */
     _Atomic uint64_t busy_ns; /* time workers spent on jobs and pieces */
     int started;          /* workers that reached their loop */
@@ -80,7 +79,7 @@ typedef struct pb_pool {
 
 /* Start n CPU workers (at least one) and gpu_workers for each GPU of
  * pb_gpu_count(), and wait until each is running (a GPU worker: bound to
- * its device).  0, or a negative PB_E* code with the cause logged; on
+ * its device, or, when it cannot bind, the device marked failed).  0, or a negative PB_E* code with the cause logged; on
  * failure nothing is left running, and the async handle's close completes
  * on the loop's next run. */
 int pb_pool_init(pb_pool_t *p, uv_loop_t *loop, int n, int gpu_workers, double gpu_lane_flops);

@@ -281,6 +281,7 @@ static int tc_reverse(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_
     if (rc)
         return rc;
     const pb_tensor_t *G = &cot[0];
+    pb_tensor_t x = {0}; /* before the first goto nomem, which clears it */
     if ((rc = pb__tops_alloc_grads(t, 3, grad, order, G->storage == NULL)))
         goto nomem;
     if (G->storage == NULL)
@@ -327,7 +328,6 @@ static int tc_reverse(const pb_tapedata_t *t, const pb_tensor_t *cot, pb_tensor_
         sb.pAB[(int)s.oB[u]] = (signed char)(s.nc + u);
 
     pb_scalar_t ga = {0, 0};
-    pb_tensor_t x = {0};
     if (wA || (wal && !wB)) {
         /* X = G·conj(opB(B))ᵀ in A's shape; Ā = conj(α)·X, or α·conj(X) for conjA */
         pb_tensor_t *dst = wA ? &grad[TC_A] : &x;

@@ -326,6 +326,90 @@ class FailedGpu(GpuCase):
         self.assertTrue(self.c.release(tape))
 
 
+class UnbindableGpu(GpuCase):
+    """A GPU whose workers cannot bind at start is marked failed; the daemon serves the rest."""
+    DAEMON_ENV = {"PULLBACKD_FAKE_CUDA": "devices=2,unbindable=1"}
+    DAEMON_ARGS = ["--log-level", "error"]
+
+    def test_the_rest_serves(self):
+        self.assertEqual(self.c.hello()["devices"], ["cpu", "cuda:0"])
+        self.assertTrue(self.device("cuda:1")["failed"])
+        W, x, b = self.data()
+        e = self.assertCode("device_unavailable", self.c.forward, "fused_dense", {"weight": W, "x": x},
+                            device="cuda:1")
+        self.assertIn("cuda:1 has failed", e.message)
+        for dev in ("cuda:0", "cpu"):
+            y = self.c.forward("fused_dense", {"weight": W, "x": x}, device=dev)["y"]
+            np.testing.assert_allclose(y, W @ x, **TOL[np.float64])
+
+
+class SmallGpu(GpuCase):
+    """Device memory running out at every point of the tensor ops' forward and reverse."""
+    DAEMON_ENV = {"PULLBACKD_FAKE_CUDA": "devices=1,memory=192K"}
+    DAEMON_ARGS = ["--max-device-bytes", "1G", "--max-device-tape-bytes", "1G"]
+
+    def test_running_out_anywhere(self):
+        # Each request succeeds or is resource_exhausted device_memory and
+        # leaves nothing behind, wherever the memory runs out: forwards of
+        # growing sizes, and the reverse of one tape beside a second tape
+        # that takes more and more of the memory (the reverse once crashed
+        # the daemon there: tensorcontract.c's error path cleared a tensor
+        # it had not yet initialised).
+        def device_memory(e):
+            self.assertEqual((e.code, e.details.get("limit")), ("resource_exhausted", "device_memory"), e.message)
+
+        outcomes = set()
+        for n in range(6, 16):
+            A = self.rng.standard_normal((n, n, 2))
+            try:
+                y, tape = self.c.augmented_forward("tensorcontract", {"A": A, "B": A.T.copy()}, wrt=["A", "B"],
+                                                   options={"spec": "abk,kcd->abcd"}, device="cuda")
+                tape.release()
+                outcomes.add("forward ok")
+            except PullbackError as e:
+                device_memory(e)
+                outcomes.add("forward out of memory")
+            self.assertEqual(self.device("cuda:0")["used_bytes"], 0, n)
+        for dtype in (np.float64, np.complex128):
+            A = self.rng.standard_normal((8, 8, 2)).astype(dtype)
+            B = self.rng.standard_normal((2, 8, 8)).astype(dtype)
+            y, tape = self.c.augmented_forward("tensorcontract", {"A": A, "B": B}, wrt=["A", "B", "alpha"],
+                                               options={"spec": "abk,kcd->cadb", "alpha": 0.5}, device="cuda")
+            held = self.device("cuda:0")["used_bytes"]
+            for hog in range(0, 192 << 10, 512):
+                try:  # a tape that keeps W (about hog bytes), with little else on the way
+                    _, other = self.c.augmented_forward("fused_dense", {"weight": np.zeros((hog // 512 + 1, 64)),
+                                                                        "x": np.zeros((64, 1))}, wrt=["x"],
+                                                        device="cuda")
+                except PullbackError as e:
+                    device_memory(e)
+                    continue
+                try:
+                    self.c.reverse(tape, {"C": np.ones((8, 8, 8, 8), dtype)}, keep=True)
+                    outcomes.add("reverse ok")
+                except PullbackError as e:
+                    device_memory(e)
+                    outcomes.add("reverse out of memory")
+                other.release()
+                self.assertEqual(self.device("cuda:0")["used_bytes"], held, f"{dtype.__name__} hog {hog}")
+            tape.release()
+        self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
+        self.assertEqual(outcomes, {"forward ok", "forward out of memory", "reverse ok", "reverse out of memory"})
+
+    def test_alpha_zero_reads_no_operand(self):
+        """alpha = 0: NaN and Inf in A reach nothing, on the GPU as on the CPU (BLAS's rule)."""
+        A = np.array([[np.nan, 1.0], [2.0, np.inf]])
+        for alpha in (0.0, [0.0, 0.0]):
+            for op, inputs, options in (("tensorcontract", {"A": A, "B": np.eye(2)}, {"spec": "ij,jk->ik"}),
+                                        ("tensoradd", {"A": A}, {"pA": [1, 0]})):
+                if isinstance(alpha, list):
+                    inputs = {k: v.astype(np.complex128) for k, v in inputs.items()}
+                got = {dev: self.c.forward(op, inputs, options={**options, "alpha": alpha}, device=dev)["C"]
+                       for dev in ("cpu", "cuda")}
+                np.testing.assert_array_equal(got["cuda"], got["cpu"])
+                np.testing.assert_array_equal(got["cuda"], np.zeros((2, 2)))
+
+
 class NoGpu(GpuCase):
     DAEMON_ENV = {"CUDA_VISIBLE_DEVICES": ""}  # a real GPU, where there is one, hidden
 
