@@ -514,6 +514,30 @@ class MemoryCacheReload(DaemonCase):
             self.assertLessEqual(self.metrics()["pullbackd_memory_cached_bytes"], 4 << 20)
 
 
+class Gpus(DaemonCase):
+    """status with GPUs (the backend's host fake): each GPU's model, memory, bytes held, tapes and state."""
+    DAEMON_ENV = {"PULLBACKD_FAKE_CUDA": "devices=2,memory=64M,unbindable=1"}
+    DAEMON_ARGS = ["--log-level", "error"]
+
+    def test_status_devices(self):
+        env = {"PULLBACKD_SOCKET": self.path}
+        with pullbackd.Client(self.path) as c:
+            y, tape = c.augmented_forward("fused_dense", {"weight": np.ones((4, 4)), "x": np.ones((4, 2))},
+                                          wrt=["x"], device="cuda:0")
+            rc, out, err = ctl("status", "--json", env=env)
+            self.assertEqual(rc, 0, err)
+            devs = {d["name"]: d for d in json.loads(out)["devices"]}
+            self.assertEqual(set(devs), {"cpu", "cuda:0", "cuda:1"})
+            self.assertEqual((devs["cuda:0"]["tapes"], devs["cuda:0"]["used_bytes"]), (1, tape.tape_bytes))
+            self.assertTrue(devs["cuda:1"]["failed"])
+            rc, out, err = ctl("status", env=env)
+            self.assertEqual(rc, 0, err)
+            rows = {line.split()[0]: line for line in out.split("devices\n", 1)[1].splitlines()[1:] if line.strip()}
+            self.assertRegex(rows["cuda:0"], r"cuda:0 +fake GPU 0 +64\.0 MiB +128 B +1  serving$")
+            self.assertIn("FAILED (device_unavailable until a restart)", rows["cuda:1"])
+            self.assertRegex(rows["cpu"], r"cpu +- .* +- +-  serving$")
+
+
 class OpenSocket(DaemonCase):
     """A socket everyone may connect to: the daemon itself refuses admin calls."""
 

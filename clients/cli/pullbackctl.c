@@ -483,14 +483,25 @@ static void status_text(const ctl_t *x, const msgpack_object *hello, const msgpa
         printf("  (not reported by this daemon)\n");
         return;
     }
-    printf("  %-10s %16s\n", "name", "memory");
+    /* A GPU reports its model, the bytes the daemon holds there, its tapes
+     * and whether it has failed; the CPU only its memory. */
+    printf("  %-10s %-24s %12s %12s %7s  %s\n", "name", "model", "memory", "used", "tapes", "state");
     for (uint32_t i = 0; i < devs->via.array.size; i++) {
-        const msgpack_object *d = &devs->via.array.ptr[i], *name = pb_obj_get(d, "name");
-        uint64_t mem;
-        bool has_mem = get_u64(d, "memory_bytes", &mem);
-        printf("  %-10.*s %16s\n", name && name->type == MSGPACK_OBJECT_STR ? (int)name->via.str.size : 1,
+        const msgpack_object *d = &devs->via.array.ptr[i], *name = pb_obj_get(d, "name"),
+                             *model = pb_obj_get(d, "model"), *failed = pb_obj_get(d, "failed");
+        uint64_t mem, used, tapes;
+        bool has_mem = get_u64(d, "memory_bytes", &mem), has_used = get_u64(d, "used_bytes", &used),
+             has_tapes = get_u64(d, "tapes", &tapes);
+        char h2[32], n[24];
+        snprintf(n, sizeof n, "%" PRIu64, has_tapes ? tapes : 0);
+        bool is_failed = failed && failed->type == MSGPACK_OBJECT_BOOLEAN && failed->via.boolean;
+        printf("  %-10.*s %-24.*s %12s %12s %7s  %s\n",
+               name && name->type == MSGPACK_OBJECT_STR ? (int)name->via.str.size : 1,
                name && name->type == MSGPACK_OBJECT_STR ? name->via.str.ptr : "?",
-               has_mem ? human_bytes(mem, h, sizeof h) : "?");
+               model && model->type == MSGPACK_OBJECT_STR ? (int)model->via.str.size : 1,
+               model && model->type == MSGPACK_OBJECT_STR ? model->via.str.ptr : "-",
+               has_mem ? human_bytes(mem, h, sizeof h) : "?", has_used ? human_bytes(used, h2, sizeof h2) : "-",
+               has_tapes ? n : "-", is_failed ? "FAILED (device_unavailable until a restart)" : "serving");
     }
 }
 
