@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "../kernels/fused_dense.h"
@@ -23,6 +24,7 @@ typedef struct fake_block {
     int dev;
     char *addr, *shadow;
     size_t size, mapped;
+    bool imported; /* a client's memory (import_fd), not counted in used */
 } fake_block_t;
 
 static struct {
@@ -146,6 +148,31 @@ static void fake_thread_fini(void)
     bound = -1;
 }
 
+/* Append b to the registry, growing it; false when out of memory.
+ * Under F.lock. */
+static bool add_block_locked(fake_block_t b)
+{
+    if (F.nblocks == F.cap) {
+        size_t cap = F.cap ? 2 * F.cap : 64;
+        fake_block_t *nb = realloc(F.blocks, cap * sizeof *nb);
+        if (nb == NULL)
+            return false;
+        F.blocks = nb;
+        F.cap = cap;
+    }
+    F.blocks[F.nblocks++] = b;
+    return true;
+}
+
+/* Unmap what of a block's two mappings was made. */
+static void unmap_pair(char *addr, char *shadow, size_t mapped)
+{
+    if (addr != MAP_FAILED)
+        munmap(addr, mapped);
+    if (shadow != MAP_FAILED)
+        munmap(shadow, mapped);
+}
+
 static int fake_alloc(int dev, size_t bytes, void **p)
 {
     if (dev < 0 || dev >= F.ndev)
@@ -177,53 +204,106 @@ static int fake_alloc(int dev, size_t bytes, void **p)
         }
     }
     pthread_mutex_lock(&F.lock);
-    if (addr != MAP_FAILED && shadow != MAP_FAILED && F.nblocks == F.cap) {
-        size_t cap = F.cap ? 2 * F.cap : 64;
-        fake_block_t *nb = realloc(F.blocks, cap * sizeof *nb);
-        if (nb) {
-            F.blocks = nb;
-            F.cap = cap;
-        }
-    }
-    bool ok = addr != MAP_FAILED && shadow != MAP_FAILED && F.nblocks < F.cap;
-    if (ok)
-        F.blocks[F.nblocks++] = (fake_block_t){dev, addr, shadow, bytes, mapped};
-    else
+    bool ok = addr != MAP_FAILED && shadow != MAP_FAILED &&
+              add_block_locked((fake_block_t){dev, addr, shadow, bytes, mapped, false});
+    if (!ok)
         F.used[dev] -= bytes;
     pthread_mutex_unlock(&F.lock);
     if (!ok) {
-        if (addr != MAP_FAILED)
-            munmap(addr, mapped);
-        if (shadow != MAP_FAILED)
-            munmap(shadow, mapped);
+        unmap_pair(addr, shadow, mapped);
         return fail(PB_ENOMEM, "alloc: no host memory for the fake's %zu bytes", bytes);
     }
     *p = addr;
     return 0;
 }
 
-static void fake_free(int dev, void *p)
+/* Remove the block at p (imported or not, as asked) from the registry
+ * into *out; false when there is none. */
+static bool take_block(const void *p, bool imported, fake_block_t *out)
 {
-    if (p == NULL)
-        return;
-    fake_block_t b = {0};
     bool found = false;
     pthread_mutex_lock(&F.lock);
     for (size_t i = 0; i < F.nblocks; i++)
-        if (F.blocks[i].addr == p) {
-            b = F.blocks[i];
+        if (F.blocks[i].addr == p && F.blocks[i].imported == imported) {
+            *out = F.blocks[i];
             F.blocks[i] = F.blocks[--F.nblocks];
-            F.used[b.dev] -= b.size;
+            if (!imported)
+                F.used[out->dev] -= out->size;
             found = true;
             break;
         }
     pthread_mutex_unlock(&F.lock);
-    if (!found)
+    return found;
+}
+
+static void fake_free(int dev, void *p)
+{
+    if (p == NULL)
+        return;
+    fake_block_t b;
+    if (!take_block(p, false, &b))
         fake_abort("free: %p was not given by alloc, or was freed already", p);
     if (b.dev != dev)
         fake_abort("free: %p is memory of device %d, freed as device %d's", p, b.dev, dev);
-    munmap(b.addr, b.mapped);
-    munmap(b.shadow, b.mapped);
+    unmap_pair(b.addr, b.shadow, b.mapped);
+}
+
+/* A memfd named "pb-fake-gpu:N" plays device N's exported memory: mapped
+ * twice like an allocation, its pages shared with the client's mapping. */
+static int fake_import_fd(int dev, int fd, size_t size, void **p, char *why, size_t len)
+{
+    if (dev < 0 || dev >= F.ndev)
+        fake_abort("import_fd: no device %d", dev);
+    if (atomic_load(&F.failed[dev])) {
+        snprintf(why, len, "cuda:%d has failed", dev);
+        return PB_EDEVICE_UNAVAILABLE;
+    }
+    char link[64], target[256] = "";
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    int owner = -1, used = 0;
+    if (n > 0)
+        target[n] = 0;
+    if (n <= 0 || sscanf(target, "/memfd:pb-fake-gpu:%d%n", &owner, &used) != 1) {
+        snprintf(why, len, "the file descriptor is not a CUDA memory export (the host fake takes a memfd named "
+                           "\"pb-fake-gpu:N\" for device N's memory; this one is %s)", n > 0 ? target : "unknown");
+        return PB_EINVALID_ARGUMENT;
+    }
+    if (owner != dev) {
+        snprintf(why, len, "the memory lives on cuda:%d, not cuda:%d", owner, dev);
+        return PB_EINVALID_ARGUMENT;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size < 0 || (size_t)st.st_size < size) {
+        snprintf(why, len, "size %zu is more than the exported allocation (%lld bytes)", size,
+                 (long long)st.st_size);
+        return PB_EINVALID_ARGUMENT;
+    }
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), mapped = (size + page - 1) / page * page;
+    char *addr = mmap(NULL, mapped, PROT_NONE, MAP_SHARED, fd, 0);
+    char *shadow = mmap(NULL, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    pthread_mutex_lock(&F.lock);
+    bool ok = addr != MAP_FAILED && shadow != MAP_FAILED &&
+              add_block_locked((fake_block_t){dev, addr, shadow, size, mapped, true});
+    pthread_mutex_unlock(&F.lock);
+    if (!ok) {
+        unmap_pair(addr, shadow, mapped);
+        snprintf(why, len, "cannot map %zu bytes", size);
+        return PB_ERESOURCE_EXHAUSTED;
+    }
+    *p = addr;
+    return 0;
+}
+
+static void fake_unimport(int dev, void *p, size_t size)
+{
+    fake_block_t b;
+    if (!take_block(p, true, &b))
+        fake_abort("unimport: %p was not given by import_fd, or was unmapped already", p);
+    if (b.dev != dev || b.size != size)
+        fake_abort("unimport: %p is %zu bytes of device %d, unmapped as %zu of device %d", p, b.size, b.dev, size,
+                   dev);
+    unmap_pair(b.addr, b.shadow, b.mapped);
 }
 
 static size_t fake_used(int dev)
@@ -486,6 +566,8 @@ static const pb_gpu_backend_t fake = {
     .used = fake_used,
     .failed = fake_failed,
     .set_failed = fake_set_failed,
+    .import_fd = fake_import_fd,
+    .unimport = fake_unimport,
     .h2d = fake_h2d,
     .d2h = fake_d2h,
     .zero = fake_zero,

@@ -49,6 +49,11 @@ int pb_gpu_fused_dense_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
                               b.storage ? pb_tensor_data(&b) : NULL, out, batch, ym->rank == 1 ? 'F' : c->order);
     if (rc == 0)
         rc = pb_gpu_download(&host, &y);
+    /* A tape owns what it keeps: not a client's GPU buffer. */
+    if (rc == 0 && taped && (c->wrt & (1u << IN_W)))
+        rc = pb_gpu_own(&x, dev);
+    if (rc == 0 && taped && (c->wrt & (1u << IN_X)))
+        rc = pb_gpu_own(&w, dev);
     if (rc == 0)
         rc = pb_gpu->sync();
     if (rc == 0 && taped) {

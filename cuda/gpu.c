@@ -97,8 +97,19 @@ int pb_gpu_tensor_alloc(pb_tensor_t *t, int dev, pb_dtype_t d, int rank, const u
     return 0;
 }
 
+/* src lies in dev's memory already: a daemon tensor, or a client's GPU
+ * buffer (daemon/buffer.h). */
+static bool on_device(const pb_tensor_t *src, int dev)
+{
+    return src->storage && src->storage->device.kind == PB_DEV_CUDA && src->storage->device.index == dev;
+}
+
 int pb_gpu_upload(pb_tensor_t *dst, int dev, const pb_tensor_t *src)
 {
+    if (on_device(src, dev)) { /* used where it lies */
+        pb_tensor_ref(dst, src);
+        return 0;
+    }
     pb_tensor_t t;
     int rc = pb_gpu_tensor_alloc(&t, dev, src->dtype, src->rank, src->shape, src->order);
     if (rc == 0 && (rc = pb_gpu->h2d(pb_tensor_data(&t), pb_tensor_data(src), pb_tensor_bytes(src)))) {
@@ -108,6 +119,27 @@ int pb_gpu_upload(pb_tensor_t *dst, int dev, const pb_tensor_t *src)
     if (rc == 0)
         *dst = t;
     return rc;
+}
+
+int pb_gpu_own(pb_tensor_t *t, int dev)
+{
+    if (t->storage == NULL || t->storage->kind == PB_STORAGE_DEVICE)
+        return 0;
+    pb_tensor_t n;
+    int rc = pb_gpu_tensor_alloc(&n, dev, t->dtype, t->rank, t->shape, t->order);
+    uint64_t count = pb_tensor_count(t);
+    if (rc == 0 && count) {
+        pb_gpu_loop_t L = {.rank = 1, .dim = {count}, .s = {{1}, {1}, {0}}};
+        double one[2] = {1, 0}, zero[2] = {0, 0};
+        rc = pb_gpu->strided((int)t->dtype, &L, pb_tensor_data(&n), pb_tensor_data(t), 0, one, NULL, zero, 0);
+        if (rc)
+            pb_tensor_clear(&n);
+    }
+    if (rc)
+        return rc;
+    pb_tensor_clear(t);
+    *t = n;
+    return 0;
 }
 
 int pb_gpu_download(pb_tensor_t *dst, const pb_tensor_t *src)

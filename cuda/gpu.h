@@ -82,6 +82,18 @@ typedef struct pb_gpu_backend {
     /* Mark dev failed, as a sticky error would (a worker that cannot bind
      * to it at start: the daemon then serves the CPU and the other GPUs). */
     void (*set_failed)(int dev);
+    /* A client's device memory passed as a file descriptor (contract
+     * section 6, GPU buffers), from the loop thread: map its first size
+     * bytes on dev, *p its device address.  The real backend takes a CUDA
+     * virtual-memory allocation exported as a POSIX fd
+     * (cuMemExportToShareableHandle) and checks it lives on dev; the fake
+     * takes a memfd named "pb-fake-gpu:N" (N: its device).  0,
+     * PB_EINVALID_ARGUMENT when fd is no such export or lives on another
+     * device, PB_EDEVICE_UNAVAILABLE, or PB_ERESOURCE_EXHAUSTED; why says
+     * what was wrong.  The fd stays the caller's. */
+    int (*import_fd)(int dev, int fd, size_t size, void **p, char *why, size_t len);
+    /* Unmap what import_fd mapped, from any thread, once nothing uses it. */
+    void (*unimport)(int dev, void *p, size_t size);
     /* Stream: copies between host memory (any, pageable) and the device. */
     int (*h2d)(void *dst, const void *src, size_t n);
     int (*d2h)(void *dst, const void *src, size_t n);

@@ -18,8 +18,13 @@
 
 /* A new uninitialised device tensor on dev.  0 or a PB_E* code. */
 int pb_gpu_tensor_alloc(pb_tensor_t *t, int dev, pb_dtype_t d, int rank, const uint64_t *shape, char order);
-/* A new device tensor on dev with host tensor src's bytes, in its order. */
+/* src on dev as a device tensor dst: a new one with host tensor src's
+ * bytes (its order), or src itself when it lies in dev's memory already
+ * (a client's GPU buffer is read where it lies). */
 int pb_gpu_upload(pb_tensor_t *dst, int dev, const pb_tensor_t *src);
+/* t in daemon-owned device memory, for a tape: a device copy when it lies
+ * in a client's GPU buffer. */
+int pb_gpu_own(pb_tensor_t *t, int dev);
 /* A new host tensor with device tensor src's bytes, in its order; it is
  * filled when the worker's stream is synchronised (pb_gpu->sync). */
 int pb_gpu_download(pb_tensor_t *dst, const pb_tensor_t *src);

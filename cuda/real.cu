@@ -61,8 +61,36 @@
  * ALLOC_FAILED is PB_ENOMEM; its other failures look at the CUDA error
  * underneath the same way.  On a failed device, free and thread_fini only
  * forget their memory (its bytes leave used()) and leak it: a poisoned
- * context can be torn down only by the process's end. */
+ * context can be torn down only by the process's end.
+ *
+ * Imports (import_fd, unimport: CUDA.md, "Zero-copy device tensors between
+ * processes").  A client's CUDA virtual-memory allocation, exported as a
+ * POSIX fd (cuMemCreate requesting CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+ * cuMemExportToShareableHandle), is imported and mapped with the driver
+ * API.  The module does not link libcuda: the driver functions come from
+ * cudaGetDriverEntryPointByVersion, each at the CUDA version of the ABI we
+ * call (see drv_resolve), resolved once; a failure is remembered and every
+ * import then fails with PB_EINTERNAL.  import_fd runs on the loop thread:
+ * it makes dev current (per thread), checks the device takes POSIX fd
+ * handles, imports the handle, checks the allocation lives on dev by UUID
+ * (not ordinal: CUDA_VISIBLE_DEVICES renumbers per process), rounds size up
+ * to the allocation granularity, reserves that much address space, maps
+ * the handle there (cuMemMap fails when the allocation is smaller), gives
+ * dev read-write access and releases the handle: the mapping holds the
+ * memory, so it stays alive as long as the daemon's mapping does, even if
+ * the client exits or frees its side.  The fd stays the caller's (the
+ * driver does not close it).  Kernels and cuBLAS use the address like any
+ * device pointer.  Each device keeps a table of its imports (address ->
+ * rounded size, under the device mutex; not counted in used()).
+ *   unimport unmaps and frees the address range, from any thread.  It does
+ * not synchronise anything: it relies on the daemon calling it only after
+ * every request that used the memory has finished, and each of those
+ * synchronised its stream before answering (CUDA.md), so no stream can
+ * still touch the range.  On a failed device unimport only drops the
+ * record (the mapping leaks, as above). */
 #include <cublas_v2.h>
+#include <cuda.h> /* types only: no -lcuda, see "Imports" */
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <atomic>
@@ -96,6 +124,8 @@ struct dev_state {
     /* Live allocations, under mu; made with the device, never destroyed
      * (no static destructor races a late free at exit). */
     std::unordered_map<void *, size_t> *sizes = nullptr;
+    /* Live imports (address -> rounded size), under mu; likewise. */
+    std::unordered_map<void *, size_t> *imports = nullptr;
 };
 
 dev_state g_dev[PB_GPU_MAX_DEVICES];
@@ -259,7 +289,12 @@ int dev_create(int dev, dev_state &d)
         return rc;
     }
     d.sizes = new (std::nothrow) std::unordered_map<void *, size_t>();
-    if (!d.sizes) {
+    d.imports = new (std::nothrow) std::unordered_map<void *, size_t>();
+    if (!d.sizes || !d.imports) {
+        delete d.sizes;
+        delete d.imports;
+        d.sizes = nullptr;
+        d.imports = nullptr;
         (void)cudaStreamDestroy(d.free_stream);
         (void)cudaMemPoolDestroy(d.pool);
         d.free_stream = nullptr;
@@ -998,6 +1033,378 @@ int real_failed(int dev)
     return valid_dev(dev) ? (int)g_dev[dev].failed.load() : 1;
 }
 
+/* ---- imports: a client's exported device memory (see the top) ---- */
+
+/* The driver functions, each typed as the ABI of the version asked for. */
+struct drv_api {
+    PFN_cuGetErrorName_v6000 get_error_name;
+    PFN_cuGetErrorString_v6000 get_error_string;
+    PFN_cuDeviceGet_v2000 device_get;
+    PFN_cuDeviceGetAttribute_v2000 device_get_attribute;
+    PFN_cuDeviceGetUuid_v11040 device_get_uuid; /* cuDeviceGetUuid_v2 */
+    PFN_cuMemImportFromShareableHandle_v10020 mem_import;
+    PFN_cuMemGetAllocationPropertiesFromHandle_v10020 mem_get_properties;
+    PFN_cuMemGetAllocationGranularity_v10020 mem_get_granularity;
+    PFN_cuMemAddressReserve_v10020 mem_address_reserve;
+    PFN_cuMemAddressFree_v10020 mem_address_free;
+    PFN_cuMemMap_v10020 mem_map;
+    PFN_cuMemUnmap_v10020 mem_unmap;
+    PFN_cuMemSetAccess_v10020 mem_set_access;
+    PFN_cuMemRelease_v10020 mem_release;
+};
+
+drv_api g_drv;
+bool g_drv_ok = false;
+char g_drv_err[160];
+std::once_flag g_drv_once;
+
+template <typename F>
+bool drv_get(const char *sym, unsigned version, F *fn)
+{
+    void *q = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    cudaError_t e = cudaGetDriverEntryPointByVersion(sym, &q, version, cudaEnableDefault, &found);
+    if (e != cudaSuccess || found != cudaDriverEntryPointSuccess || !q) {
+        snprintf(g_drv_err, sizeof g_drv_err, "the CUDA driver has no %s (ABI of CUDA %u.%u): %s", sym,
+                 version / 1000, version % 1000 / 10,
+                 e != cudaSuccess ? cudaGetErrorString(e)
+                 : found == cudaDriverEntryPointVersionNotSufficent ? "driver too old"
+                                                                    : "symbol not found");
+        (void)cudaGetLastError();
+        return false;
+    }
+    *fn = reinterpret_cast<F>(q);
+    return true;
+}
+
+void drv_resolve(void)
+{
+    drv_api a;
+    memset(&a, 0, sizeof a);
+    g_drv_ok = drv_get("cuGetErrorName", 6000, &a.get_error_name) &&
+               drv_get("cuGetErrorString", 6000, &a.get_error_string) &&
+               drv_get("cuDeviceGet", 2000, &a.device_get) &&
+               drv_get("cuDeviceGetAttribute", 2000, &a.device_get_attribute) &&
+               drv_get("cuDeviceGetUuid", 11040, &a.device_get_uuid) &&
+               drv_get("cuMemImportFromShareableHandle", 10020, &a.mem_import) &&
+               drv_get("cuMemGetAllocationPropertiesFromHandle", 10020, &a.mem_get_properties) &&
+               drv_get("cuMemGetAllocationGranularity", 10020, &a.mem_get_granularity) &&
+               drv_get("cuMemAddressReserve", 10020, &a.mem_address_reserve) &&
+               drv_get("cuMemAddressFree", 10020, &a.mem_address_free) &&
+               drv_get("cuMemMap", 10020, &a.mem_map) && drv_get("cuMemUnmap", 10020, &a.mem_unmap) &&
+               drv_get("cuMemSetAccess", 10020, &a.mem_set_access) &&
+               drv_get("cuMemRelease", 10020, &a.mem_release);
+    if (g_drv_ok)
+        g_drv = a;
+}
+
+/* The driver functions, or NULL (g_drv_err says why), resolved once. */
+const drv_api *drv(void)
+{
+    std::call_once(g_drv_once, drv_resolve);
+    return g_drv_ok ? &g_drv : nullptr;
+}
+
+/* Driver errors after which the context (or the device) cannot be used
+ * again: poisons()'s list in the driver's words. */
+bool drv_poisons(CUresult r)
+{
+    switch (r) {
+    case CUDA_ERROR_ILLEGAL_ADDRESS:
+    case CUDA_ERROR_LAUNCH_FAILED:
+    case CUDA_ERROR_ILLEGAL_INSTRUCTION:
+    case CUDA_ERROR_MISALIGNED_ADDRESS:
+    case CUDA_ERROR_HARDWARE_STACK_ERROR:
+    case CUDA_ERROR_ASSERT:
+    case CUDA_ERROR_ECC_UNCORRECTABLE:
+    case CUDA_ERROR_NVLINK_UNCORRECTABLE:
+    case CUDA_ERROR_INVALID_ADDRESS_SPACE:
+    case CUDA_ERROR_INVALID_PC:
+    case CUDA_ERROR_LAUNCH_TIMEOUT:
+    case CUDA_ERROR_CONTAINED:
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED:
+    case CUDA_ERROR_NO_DEVICE:
+    case CUDA_ERROR_DEVICE_UNAVAILABLE:
+    case CUDA_ERROR_DEINITIALIZED:
+        return true;
+    default:
+        return false;
+    }
+}
+
+/* A failed driver call on dev: its words into t_err and "NAME (text)"
+ * into buf; PB_EDEVICE_UNAVAILABLE (dev marked failed) for a sticky
+ * error, PB_ERESOURCE_EXHAUSTED for out of memory, else `other`. */
+int drv_fail(const drv_api &a, int dev, CUresult r, const char *what, int other, char *buf, size_t len)
+{
+    const char *name = nullptr, *text = nullptr;
+    if (a.get_error_name(r, &name) != CUDA_SUCCESS || !name)
+        name = "CUDA_ERROR_UNKNOWN";
+    if (a.get_error_string(r, &text) != CUDA_SUCCESS || !text)
+        text = "unknown driver error";
+    set_err(what, name, text);
+    if (buf && len)
+        snprintf(buf, len, "%s (%s)", name, text);
+    if (drv_poisons(r)) {
+        g_dev[dev].failed.store(true);
+        return PB_EDEVICE_UNAVAILABLE;
+    }
+    return r == CUDA_ERROR_OUT_OF_MEMORY ? PB_ERESOURCE_EXHAUSTED : other;
+}
+
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi writes it. */
+void uuid_text(const CUuuid &u, char out[48])
+{
+    const unsigned char *b = (const unsigned char *)u.bytes;
+    snprintf(out, 48, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+             b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+/* The steps of one import, after dev is current; fills *ptr and *mapped.
+ * On failure it undoes its own steps and says why. */
+int import_steps(const drv_api &a, int dev, int fd, size_t size, CUdeviceptr *ptr, size_t *mapped, char *why,
+                 size_t len)
+{
+    char drv_why[160];
+    CUdevice cudev = 0;
+    CUresult r = a.device_get(&cudev, dev);
+    if (r != CUDA_SUCCESS) {
+        int rc = drv_fail(a, dev, r, "cuDeviceGet", PB_EINTERNAL, drv_why, sizeof drv_why);
+        snprintf(why, len, "cuDeviceGet: %s", drv_why);
+        return rc;
+    }
+    int fd_ok = 0;
+    r = a.device_get_attribute(&fd_ok, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, cudev);
+    if (r != CUDA_SUCCESS) {
+        int rc = drv_fail(a, dev, r, "cuDeviceGetAttribute", PB_EINTERNAL, drv_why, sizeof drv_why);
+        snprintf(why, len, "cuDeviceGetAttribute: %s", drv_why);
+        return rc;
+    }
+    if (!fd_ok) {
+        snprintf(why, len, "the device does not support POSIX file descriptor memory handles "
+                           "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED is 0)");
+        return PB_EINVALID_ARGUMENT;
+    }
+    CUmemGenericAllocationHandle h = 0;
+    r = a.mem_import(&h, (void *)(uintptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    if (r != CUDA_SUCCESS) {
+        int rc = drv_fail(a, dev, r, "cuMemImportFromShareableHandle", PB_EINVALID_ARGUMENT, drv_why,
+                          sizeof drv_why);
+        if (rc == PB_EINVALID_ARGUMENT)
+            snprintf(why, len,
+                     "the file descriptor is not a CUDA memory export (cuMemExportToShareableHandle, POSIX file "
+                     "descriptor handle): %s",
+                     drv_why);
+        else
+            snprintf(why, len, "cuMemImportFromShareableHandle: %s", drv_why);
+        return rc;
+    }
+    /* From here on the handle is ours: released on every path. */
+    int rc = 0;
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    size_t gran = 0, rounded = 0;
+    CUdeviceptr base = 0;
+    bool reserved = false, mapped_ok = false;
+    if ((r = a.mem_get_properties(&prop, h)) != CUDA_SUCCESS) {
+        rc = drv_fail(a, dev, r, "cuMemGetAllocationPropertiesFromHandle", PB_EINTERNAL, drv_why, sizeof drv_why);
+        snprintf(why, len, "cuMemGetAllocationPropertiesFromHandle: %s", drv_why);
+        goto out;
+    }
+    if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE) {
+        snprintf(why, len, "the memory is not device memory (location type %d), not on cuda:%d",
+                 (int)prop.location.type, dev);
+        rc = PB_EINVALID_ARGUMENT;
+        goto out;
+    }
+    {
+        /* Same device by UUID: ordinals differ between processes. */
+        CUuuid mine, theirs;
+        CUdevice owner = 0;
+        char mine_s[48], theirs_s[48];
+        if ((r = a.device_get_uuid(&mine, cudev)) != CUDA_SUCCESS) {
+            rc = drv_fail(a, dev, r, "cuDeviceGetUuid", PB_EINTERNAL, drv_why, sizeof drv_why);
+            snprintf(why, len, "cuDeviceGetUuid: %s", drv_why);
+            goto out;
+        }
+        uuid_text(mine, mine_s);
+        if (a.device_get(&owner, prop.location.id) != CUDA_SUCCESS ||
+            a.device_get_uuid(&theirs, owner) != CUDA_SUCCESS) {
+            snprintf(why, len, "the memory lives on a device the daemon does not see (its device %d here), not "
+                               "on cuda:%d (%s)",
+                     prop.location.id, dev, mine_s);
+            rc = PB_EINVALID_ARGUMENT;
+            goto out;
+        }
+        if (memcmp(mine.bytes, theirs.bytes, sizeof mine.bytes) != 0) {
+            uuid_text(theirs, theirs_s);
+            snprintf(why, len, "the memory lives on %s (cuda:%d in the daemon), not on cuda:%d (%s)", theirs_s,
+                     prop.location.id, dev, mine_s);
+            rc = PB_EINVALID_ARGUMENT;
+            goto out;
+        }
+    }
+    if ((r = a.mem_get_granularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM)) != CUDA_SUCCESS || gran == 0) {
+        if (r == CUDA_SUCCESS)
+            r = CUDA_ERROR_UNKNOWN;
+        rc = drv_fail(a, dev, r, "cuMemGetAllocationGranularity", PB_EINTERNAL, drv_why, sizeof drv_why);
+        snprintf(why, len, "cuMemGetAllocationGranularity: %s", drv_why);
+        goto out;
+    }
+    if (size > SIZE_MAX - (gran - 1)) {
+        snprintf(why, len, "size %zu is more than the exported allocation", size);
+        rc = PB_EINVALID_ARGUMENT;
+        goto out;
+    }
+    rounded = (size + gran - 1) / gran * gran;
+    if ((r = a.mem_address_reserve(&base, rounded, gran, 0, 0)) != CUDA_SUCCESS) {
+        rc = drv_fail(a, dev, r, "cuMemAddressReserve", PB_ERESOURCE_EXHAUSTED, drv_why, sizeof drv_why);
+        snprintf(why, len, "cannot reserve %zu bytes of device address space: %s", rounded, drv_why);
+        goto out;
+    }
+    reserved = true;
+    if ((r = a.mem_map(base, rounded, 0, h, 0)) != CUDA_SUCCESS) {
+        rc = drv_fail(a, dev, r, "cuMemMap", PB_EINVALID_ARGUMENT, drv_why, sizeof drv_why);
+        if (rc == PB_EINVALID_ARGUMENT)
+            snprintf(why, len, "size %zu is more than the exported allocation (cuMemMap of %zu bytes: %s)", size,
+                     rounded, drv_why);
+        else
+            snprintf(why, len, "cuMemMap of %zu bytes: %s", rounded, drv_why);
+        goto out;
+    }
+    mapped_ok = true;
+    {
+        CUmemAccessDesc acc;
+        memset(&acc, 0, sizeof acc);
+        acc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        acc.location.id = cudev;
+        acc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        if ((r = a.mem_set_access(base, rounded, &acc, 1)) != CUDA_SUCCESS) {
+            rc = drv_fail(a, dev, r, "cuMemSetAccess", PB_EINTERNAL, drv_why, sizeof drv_why);
+            snprintf(why, len, "cuMemSetAccess (read-write for cuda:%d): %s", dev, drv_why);
+            goto out;
+        }
+    }
+out:
+    /* The mapping, if any, now holds the memory; failures undo it.  On a
+     * device that failed just now, cleanup calls fail too: ignored. */
+    if (rc && mapped_ok)
+        (void)a.mem_unmap(base, rounded);
+    if (rc && reserved)
+        (void)a.mem_address_free(base, rounded);
+    if ((r = a.mem_release(h)) != CUDA_SUCCESS && rc == 0) {
+        rc = drv_fail(a, dev, r, "cuMemRelease", PB_EINTERNAL, drv_why, sizeof drv_why);
+        snprintf(why, len, "cuMemRelease: %s", drv_why);
+        if (rc != PB_EDEVICE_UNAVAILABLE) {
+            (void)a.mem_unmap(base, rounded);
+            (void)a.mem_address_free(base, rounded);
+        }
+    }
+    if (rc == 0) {
+        *ptr = base;
+        *mapped = rounded;
+    }
+    return rc;
+}
+
+int real_import_fd(int dev, int fd, size_t size, void **p, char *why, size_t len)
+{
+    char dummy[8];
+    if (!why || len == 0) {
+        why = dummy;
+        len = sizeof dummy;
+    }
+    why[0] = 0;
+    if (!valid_dev(dev)) {
+        snprintf(why, len, "no device %d", dev);
+        return internal("import_fd", "no such device");
+    }
+    dev_state &d = g_dev[dev];
+    if (d.failed.load()) {
+        snprintf(why, len, "cuda:%d has failed", dev);
+        return unavailable(dev);
+    }
+    if (size == 0) {
+        snprintf(why, len, "size 0: nothing to map");
+        return PB_EINVALID_ARGUMENT;
+    }
+    /* The device's context (with its flags) and its import table, before
+     * anything else may touch CUDA. */
+    int rc = dev_ensure(dev);
+    if (rc) {
+        snprintf(why, len, "%s", t_err);
+        return rc == PB_ENOMEM ? PB_ERESOURCE_EXHAUSTED : rc;
+    }
+    const drv_api *a = drv();
+    if (!a) {
+        snprintf(why, len, "cannot import device memory: %s", g_drv_err);
+        return internal("import_fd", g_drv_err);
+    }
+    int restore;
+    if ((rc = enter_dev(dev, &restore))) { /* current device is per thread */
+        snprintf(why, len, "%s", t_err);
+        return rc == PB_ENOMEM ? PB_ERESOURCE_EXHAUSTED : rc;
+    }
+    CUdeviceptr base = 0;
+    size_t mapped = 0;
+    rc = import_steps(*a, dev, fd, size, &base, &mapped, why, len);
+    if (rc == 0) {
+        std::lock_guard<std::mutex> lock(d.mu);
+        bool ok = true;
+        try {
+            d.imports->emplace((void *)(uintptr_t)base, mapped);
+        } catch (...) {
+            ok = false;
+        }
+        if (!ok) {
+            (void)a->mem_unmap(base, mapped);
+            (void)a->mem_address_free(base, mapped);
+            snprintf(why, len, "out of host memory for the import table");
+            (void)internal("import_fd", "out of host memory for the import table");
+            rc = PB_ERESOURCE_EXHAUSTED;
+        }
+    }
+    leave_dev(restore);
+    if (rc == 0)
+        *p = (void *)(uintptr_t)base;
+    return rc;
+}
+
+/* Nothing may use the range any more: see the top for why none does. */
+void real_unimport(int dev, void *p, size_t size)
+{
+    if (p == nullptr || !valid_dev(dev))
+        return;
+    dev_state &d = g_dev[dev];
+    if (!d.ready.load(std::memory_order_acquire))
+        return; /* nothing was ever imported there */
+    std::lock_guard<std::mutex> lock(d.mu);
+    auto it = d.imports->find(p);
+    if (it == d.imports->end()) {
+        internal("unimport", "not a live import of this device: ignored");
+        return;
+    }
+    size_t mapped = it->second;
+    d.imports->erase(it);
+    if (size > mapped)
+        internal("unimport", "size is more than was imported: unmapping what was mapped");
+    if (d.failed.load())
+        return; /* leak: see the top */
+    const drv_api *a = drv(); /* resolved: the import needed it */
+    if (!a)
+        return;
+    int restore;
+    if (enter_dev(dev, &restore))
+        return;
+    CUdeviceptr base = (CUdeviceptr)(uintptr_t)p;
+    CUresult r = a->mem_unmap(base, mapped);
+    if (r != CUDA_SUCCESS)
+        (void)drv_fail(*a, dev, r, "cuMemUnmap", PB_EINTERNAL, nullptr, 0);
+    else if ((r = a->mem_address_free(base, mapped)) != CUDA_SUCCESS)
+        (void)drv_fail(*a, dev, r, "cuMemAddressFree", PB_EINTERNAL, nullptr, 0);
+    leave_dev(restore);
+}
+
 int real_h2d(void *dst, const void *src, size_t n)
 {
     int rc = worker_check("h2d");
@@ -1274,6 +1681,8 @@ const pb_gpu_backend_t real_backend = {
     .used = real_used,
     .failed = real_failed,
     .set_failed = real_set_failed,
+    .import_fd = real_import_fd,
+    .unimport = real_unimport,
     .h2d = real_h2d,
     .d2h = real_d2h,
     .zero = real_zero,

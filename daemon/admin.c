@@ -216,11 +216,6 @@ void pb__m_register(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg
     /* Host memory unless it names a GPU (contract section 6). */
     if (rc == 0)
         rc = pb_request_device(params, (pb_device_t){PB_DEV_CPU, 0}, &dev, &r->err);
-    if (rc == 0 && dev.kind != PB_DEV_CPU)
-        rc = pb_err_set(&r->err, PB_EDEVICE_UNAVAILABLE, "device",
-                        "GPU memory buffers (an exported CUDA allocation's fd) are not served yet: register host "
-                        "memory, and calls on cuda:%d copy it to the device",
-                        dev.index);
     const msgpack_object *sz = pb__obj_get(params, "size");
     if (rc == 0 && (!pb__obj_uint(sz, &size) || size == 0))
         rc = pb_err_set(&r->err, PB_EINVALID_ARGUMENT, "size",
@@ -239,8 +234,12 @@ void pb__m_register(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg
         return pb__req_fail(r, rc);
     int fd = pb_conn_take_fd(c, 0); /* ours to close now */
     const pb_config_t *cfg = r->rpc->cfg;
-    rc = pb_buffers_register(pb_conn_buffers(c), fd, size, cfg->max_buffers_per_connection,
-                             cfg->max_buffer_bytes_per_connection, &r->u.buffer, &r->err);
+    if (dev.kind == PB_DEV_CUDA)
+        rc = pb_buffers_register_gpu(pb_conn_buffers(c), fd, size, dev.index, cfg->max_buffers_per_connection,
+                                     cfg->max_buffer_bytes_per_connection, &r->u.buffer, &r->err);
+    else
+        rc = pb_buffers_register(pb_conn_buffers(c), fd, size, cfg->max_buffers_per_connection,
+                                 cfg->max_buffer_bytes_per_connection, &r->u.buffer, &r->err);
     if (rc)
         return pb__req_fail(r, rc);
     r->encode = pb__enc_register;

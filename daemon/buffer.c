@@ -16,6 +16,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../cuda/gpu.h"
+
 /* ---- the registry ------------------------------------------------------- */
 
 /* One live mapping, as the SIGBUS handler sees it.  Writers (register and
@@ -102,7 +104,8 @@ static struct sigaction bus_old;
 /* The mapping record: free_ctx of its storage. */
 typedef struct pb_shm {
     uint64_t id;
-    size_t len;      /* bytes mapped (whole pages) */
+    int gpu;         /* -1: host memory; else the GPU whose memory it is (import_fd) */
+    size_t len;      /* bytes mapped (whole pages; a GPU buffer's: its size) */
     bool writable;
     dev_t dev;       /* the file mapped: two registrations of one memfd */
     ino_t ino;       /* (on one connection or two) map the same bytes */
@@ -273,8 +276,12 @@ void pb_shm_totals(size_t *count, size_t *bytes)
 static void shm_free(pb_storage_t *s)
 {
     pb_shm_t *m = s->free_ctx;
-    slot_release(m->slot, s->size, m->uid);
-    munmap(s->ptr, m->len);
+    if (m->gpu >= 0)
+        pb_gpu->unimport(m->gpu, s->ptr, m->len);
+    else {
+        slot_release(m->slot, s->size, m->uid);
+        munmap(s->ptr, m->len);
+    }
     free(m);
 }
 
@@ -283,7 +290,7 @@ bool pb_shm_broken(const pb_storage_t *s)
     if (s == NULL || s->kind != PB_STORAGE_SHM)
         return false;
     const pb_shm_t *m = s->free_ctx;
-    return atomic_load(&m->slot->broken);
+    return m->slot && atomic_load(&m->slot->broken); /* a GPU buffer has no slot: no SIGBUS */
 }
 
 bool pb_shm_writable(const pb_storage_t *s)
@@ -352,6 +359,78 @@ static int full_err(pb_err_t *err, int why, uid_t uid)
                       "vm.max_map_count, at most %d)", most, PB_SHM_MAX_MAPPINGS);
 }
 
+/* What a registration of either kind checks first, and room for one more
+ * entry in the table: 0 or the error. */
+static int register_room(pb_buffers_t *b, uint64_t size, size_t max_count, size_t max_bytes, pb_err_t *err)
+{
+    if (b->n >= max_count)
+        return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_buffers_per_connection",
+                          "this connection holds %zu buffers, at or past the max_buffers_per_connection limit (%zu)",
+                          b->n, max_count);
+    if (size == 0)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "size", "size must be a positive number of bytes");
+    if (size > SIZE_MAX / 2)
+        return pb_err_set(err, PB_EINVALID_ARGUMENT, "size", "size %llu is more than any file could hold",
+                          (unsigned long long)size);
+    if (b->bytes > max_bytes || size > max_bytes - b->bytes)
+        return pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_buffer_bytes_per_connection",
+                          "this connection has %zu bytes of buffers registered; %llu more would pass the "
+                          "max_buffer_bytes_per_connection limit of %zu",
+                          b->bytes, (unsigned long long)size, max_bytes);
+    if (b->n == b->cap) {
+        size_t ncap = b->cap ? 2 * b->cap : 8;
+        pb_buffer_ent_t *nv = realloc(b->v, ncap * sizeof *nv);
+        if (nv == NULL)
+            return pb_err_set(err, PB_ENOMEM, NULL, "out of memory for the buffer table");
+        b->v = nv;
+        b->cap = ncap;
+    }
+    return 0;
+}
+
+int pb_buffers_register_gpu(pb_buffers_t *b, int fd, uint64_t size, int gpu, size_t max_count, size_t max_bytes,
+                            uint64_t *id, pb_err_t *err)
+{
+    int rc = register_room(b, size, max_count, max_bytes, err);
+    pb_shm_t *m = NULL;
+    void *p = NULL;
+    char why[256] = "";
+    if (rc == 0 && (m = calloc(1, sizeof *m)) == NULL)
+        rc = pb_err_set(err, PB_ENOMEM, NULL, "out of memory for the buffer");
+    if (rc == 0 && (rc = pb_gpu->import_fd(gpu, fd, (size_t)size, &p, why, sizeof why)))
+        pb_err_set(err, rc, rc == PB_ERESOURCE_EXHAUSTED ? "device_memory" : NULL, "cuda:%d: %s", gpu, why);
+    pb_storage_t *s = NULL;
+    if (rc == 0) {
+        /* The file's identity, for the accumulate locks and aliasing
+         * checks (an export's fd is a file like any other). */
+        struct stat st;
+        if (fstat(fd, &st) == 0) {
+            m->dev = st.st_dev;
+            m->ino = st.st_ino;
+        }
+        m->gpu = gpu;
+        m->writable = true;
+        m->uid = b->uid;
+        m->len = (size_t)size;
+        m->id = b->last_id + 1;
+        if ((s = pb_storage_wrap(PB_STORAGE_SHM, p, (size_t)size, shm_free, m)) == NULL) {
+            pb_gpu->unimport(gpu, p, (size_t)size);
+            rc = pb_err_set(err, PB_ENOMEM, NULL, "out of memory for the buffer");
+        }
+    }
+    close(fd);
+    if (rc) {
+        free(m);
+        return rc;
+    }
+    s->device = (pb_device_t){PB_DEV_CUDA, gpu};
+    b->last_id = m->id;
+    b->v[b->n++] = (pb_buffer_ent_t){m->id, s};
+    b->bytes += (size_t)size;
+    *id = m->id;
+    return 0;
+}
+
 int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count, size_t max_bytes, uint64_t *id,
                         pb_err_t *err)
 {
@@ -363,28 +442,8 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
     pb_storage_t *s;
     struct stat st;
     int fl;
-    if (b->n >= max_count) {
-        rc = pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_buffers_per_connection",
-                        "this connection holds %zu buffers, at or past the max_buffers_per_connection limit (%zu)",
-                        b->n, max_count);
+    if ((rc = register_room(b, size, max_count, max_bytes, err)))
         goto out;
-    }
-    if (size == 0) {
-        rc = pb_err_set(err, PB_EINVALID_ARGUMENT, "size", "size must be a positive number of bytes");
-        goto out;
-    }
-    if (size > SIZE_MAX / 2) {
-        rc = pb_err_set(err, PB_EINVALID_ARGUMENT, "size", "size %llu is more than any file could hold",
-                        (unsigned long long)size);
-        goto out;
-    }
-    if (b->bytes > max_bytes || size > max_bytes - b->bytes) {
-        rc = pb_err_set(err, PB_ERESOURCE_EXHAUSTED, "max_buffer_bytes_per_connection",
-                        "this connection has %zu bytes of buffers registered; %llu more would pass the "
-                        "max_buffer_bytes_per_connection limit of %zu",
-                        b->bytes, (unsigned long long)size, max_bytes);
-        goto out;
-    }
     /* Only a memfd or a shm file: F_GET_SEALS succeeds on exactly the
      * files of tmpfs (memfd_create, shm_open) and hugetlbfs, and does no
      * I/O.  fstat and mmap run on the event loop, and on those files they
@@ -432,16 +491,6 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
         rc = pb_err_set(err, PB_EINTERNAL, NULL, "cannot install the SIGBUS handler that shared memory needs");
         goto out;
     }
-    if (b->n == b->cap) {
-        size_t ncap = b->cap ? 2 * b->cap : 8;
-        pb_buffer_ent_t *nv = realloc(b->v, ncap * sizeof *nv);
-        if (nv == NULL) {
-            rc = pb_err_set(err, PB_ENOMEM, NULL, "out of memory for the buffer table");
-            goto out;
-        }
-        b->v = nv;
-        b->cap = ncap;
-    }
     m = calloc(1, sizeof *m);
     if (m == NULL) {
         rc = pb_err_set(err, PB_ENOMEM, NULL, "out of memory for the buffer");
@@ -450,6 +499,7 @@ int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count
     /* Read-write when the fd allows it; a read-only fd, or a memfd sealed
      * against writes (EPERM), is mapped read-only and refused as into. */
     m->writable = (fl & O_ACCMODE) == O_RDWR;
+    m->gpu = -1;
     m->dev = st.st_dev;
     m->ino = st.st_ino;
     if (m->writable)

@@ -71,6 +71,13 @@ void pb_buffers_destroy(pb_buffers_t *b);
  * max_buffers_per_connection / max_buffer_bytes_per_connection), fd a
  * regular file (memfd, shm file) open for reading, size > 0 and at most
  * the file's size (invalid_argument).  0 and *id, or an error in err. */
+/* A client's GPU memory (contract section 6, GPU buffers), exported as fd:
+ * mapped on GPU gpu by its backend (import_fd), counted against the same
+ * limits, its storage of kind PB_STORAGE_SHM with device cuda:gpu and a
+ * device address (no host mapping, no SIGBUS guard: the memory lives as
+ * long as the mapping, whatever the client does).  fd is closed here. */
+int pb_buffers_register_gpu(pb_buffers_t *b, int fd, uint64_t size, int gpu, size_t max_count, size_t max_bytes,
+                            uint64_t *id, pb_err_t *err);
 int pb_buffers_register(pb_buffers_t *b, int fd, uint64_t size, size_t max_count, size_t max_bytes, uint64_t *id,
                         pb_err_t *err);
 /* Drop buffer id from the table: 0, or invalid_argument for an id the

@@ -368,6 +368,20 @@ void pb__m_reverse(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg)
     if ((rc = pb_request_into(pb__obj_get(params, "into"), &res, op->wrt_names, op->nwrt, t->data.wrt, gmeta,
                               "gradient", r->into, &r->err)))
         return pb__req_fail(r, rc);
+    /* A GPU buffer serves only a tape of its own GPU. */
+    for (int k = 0; k < PB_MAX_IO + 2 && rc == 0; k++) {
+        char what[64];
+        if (k < op->noutputs) {
+            snprintf(what, sizeof what, "cotangents.%s", op->outputs[k]);
+            rc = pb_request_on_device(k < PB_MAX_IO ? v->cot[k].storage : NULL, t->data.device, what, &r->err);
+        }
+        if (rc == 0 && k < op->nwrt) {
+            snprintf(what, sizeof what, "into.%s", op->wrt_names[k]);
+            rc = pb_request_on_device(r->into[k].storage, t->data.device, what, &r->err);
+        }
+    }
+    if (rc)
+        return pb__req_fail(r, rc);
     /* The gradients that go in the reply (alpha and beta: a scalar each,
      * not worth counting). */
     size_t grads = 0;

@@ -4,7 +4,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "../cuda/gpu.h"
+#include "../cuda/gpu_ops.h"
 #include "buffer.h"
 
 #define DEFAULT_TTL_MS 600000u
@@ -345,6 +345,40 @@ int pb_request_into(const msgpack_object *into, const pb_resolver_t *res, const 
 #define ACC_CHUNK ((size_t)1 << 20)
 static pthread_mutex_t acc_locks[ACC_STRIPES] = {[0 ... ACC_STRIPES - 1] = PTHREAD_MUTEX_INITIALIZER};
 
+/* Device accumulations into GPU buffers, one at a time: two requests'
+ * sums into one buffer must not interleave, and the host path's stripe
+ * locks do not cover work that runs on a stream. */
+static pthread_mutex_t device_acc_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* pb_into_store for a target in a GPU buffer, on a worker of its GPU: the
+ * result copied in, or added on the device. */
+static int into_device(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb_err_t *err)
+{
+    int dev = in->storage->device.index, rc;
+    char *dst = (char *)in->storage->ptr + in->offset;
+    size_t bytes = pb_tensor_bytes(t);
+    if (!accumulate) {
+        rc = pb_gpu->h2d(dst, pb_tensor_data(t), bytes);
+        if (rc == 0)
+            rc = pb_gpu->sync();
+    } else {
+        void *tmp = NULL;
+        rc = pb_gpu->alloc(dev, bytes, &tmp);
+        if (rc == 0)
+            rc = pb_gpu->h2d(tmp, pb_tensor_data(t), bytes);
+        pb_gpu_loop_t L = {.rank = 1, .dim = {pb_tensor_count(t)}, .s = {{1}, {1}, {0}}};
+        double one[2] = {1, 0}, zero[2] = {0, 0};
+        pthread_mutex_lock(&device_acc_lock);
+        if (rc == 0)
+            rc = pb_gpu->strided((int)t->dtype, &L, dst, tmp, 0, one, NULL, zero, 1);
+        if (rc == 0)
+            rc = pb_gpu->sync();
+        pthread_mutex_unlock(&device_acc_lock);
+        pb_gpu->free(dev, tmp);
+    }
+    return rc ? pb_gpu_fail(err, rc, dev, "storing a result into a GPU buffer") : 0;
+}
+
 int pb_into_store(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb_err_t *err)
 {
     size_t bytes = pb_tensor_bytes(t);
@@ -353,6 +387,8 @@ int pb_into_store(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb
                           bytes, in->room, (unsigned long long)in->buffer);
     if (bytes == 0)
         return 0;
+    if (in->storage->device.kind == PB_DEV_CUDA)
+        return into_device(in, t, accumulate, err);
     char *dst = (char *)in->storage->ptr + in->offset;
     const void *src = pb_tensor_data(t);
     if (!accumulate) {
@@ -375,6 +411,22 @@ int pb_into_store(const pb_into_t *in, const pb_tensor_t *t, bool accumulate, pb
         done += n;
     }
     return 0;
+}
+
+int pb_request_on_device(const pb_storage_t *s, pb_device_t dev, const char *what, pb_err_t *err)
+{
+    if (s == NULL || s->kind != PB_STORAGE_SHM || s->device.kind != PB_DEV_CUDA ||
+        (dev.kind == PB_DEV_CUDA && dev.index == s->device.index))
+        return 0;
+    char on[16];
+    if (dev.kind == PB_DEV_CUDA)
+        snprintf(on, sizeof on, "cuda:%d", dev.index);
+    else
+        snprintf(on, sizeof on, "cpu");
+    return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                      "%s lies in buffer %llu, cuda:%d's memory, and this runs on %s: a GPU buffer serves calls on "
+                      "its own GPU",
+                      what, (unsigned long long)pb_shm_id(s), s->device.index, on);
 }
 
 int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_storage_t *msg, const pb_resolver_t *res,
@@ -450,6 +502,18 @@ int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_sto
     if (!(op->devices & (1u << c->device.kind)))
         return pb_err_set(err, PB_EDEVICE_UNAVAILABLE, "device", "%s has no implementation on this device",
                           op->name);
+    for (int i = 0; i < op->ninputs; i++) {
+        char what[64];
+        join(what, sizeof what, "inputs.", op->inputs[i].name);
+        if ((rc = pb_request_on_device(c->in[i].storage, c->device, what, err)))
+            return rc;
+        const pb_storage_t *s = c->in[i].storage;
+        if (kind == PB_CALL_CHECK && s && s->device.kind == PB_DEV_CUDA)
+            return pb_err_set(err, PB_EINVALID_ARGUMENT, what,
+                              "%s lies in a GPU buffer: check steps its inputs on the host, so it takes them inline "
+                              "or in host buffers",
+                              what);
+    }
 
     if ((rc = pb_request_order(params, &c->order, err)))
         return rc;
@@ -472,6 +536,12 @@ int pb_request_call(const pb_config_t *cfg, const msgpack_object *params, pb_sto
         (rc = pb_request_into(pb__obj_get(params, "into"), res, op->outputs, op->noutputs, (1u << op->noutputs) - 1,
                               c->out_meta, "output", x->into, err)))
         return rc;
+    for (int i = 0; i < op->noutputs; i++) {
+        char what[64];
+        join(what, sizeof what, "into.", op->outputs[i]);
+        if ((rc = pb_request_on_device(x->into[i].storage, c->device, what, err)))
+            return rc;
+    }
     size_t total = 0;
     for (int i = 0; i < op->noutputs; i++) {
         size_t b;

@@ -134,6 +134,9 @@ typedef struct pb_req_reverse pb_req_reverse_t;
 int pb_request_check_keys(const msgpack_object *params, const char *const *allowed, pb_err_t *err);
 /* params' "order": 'C' (absent) or 'F'. */
 int pb_request_order(const msgpack_object *params, char *order, pb_err_t *err);
+/* A tensor in a GPU buffer (storage s; NULL or host memory: fine) is used
+ * by calls on that GPU only: else invalid_argument naming what. */
+int pb_request_on_device(const pb_storage_t *s, pb_device_t dev, const char *what, pb_err_t *err);
 /* params' "device" ("cpu", "cuda", "cuda:N"), dflt when absent; one this
  * daemon does not have is device_unavailable. */
 int pb_request_device(const msgpack_object *params, pb_device_t dflt, pb_device_t *dev, pb_err_t *err);

@@ -9,6 +9,7 @@ Run: PULLBACKD_BIN=build/daemon/pullbackd /usr/bin/python3 tests/python/test_gpu
 """
 
 import os
+import mmap
 import sys
 import threading
 import time
@@ -224,9 +225,9 @@ class FakeGpu(GpuCase):
         self.assertCode("invalid_argument", self.c.forward, "fused_dense", {"weight": W, "x": x}, device="gpu")
         e = self.assertCode("device_unavailable", self.c.forward, "qr_compact", {"A": W}, device="cuda")
         self.assertIn("no implementation on this device", e.message)
-        with self.assertRaises(PullbackError) as cm:
-            self.c.call("register_buffer", {"size": 64, "device": "cuda:0"}, fds=[os.memfd_create("x")])
-        self.assertEqual(cm.exception.code, "device_unavailable")
+        e = self.assertCode("device_unavailable", self.c.call, "register_buffer", {"size": 64, "device": "cuda:2"},
+                            fds=[os.memfd_create("pb-fake-gpu:2")])
+        self.assertIn("cuda:2", e.message)
 
     def test_into_shared_memory(self):
         W, x, b = self.data()
@@ -275,6 +276,96 @@ class GpuLanes(GpuCase):
         self.assertLess(done["S"] - sent, (min(done["L1"], done["L2"]) - sent) / 4,
                         f"the small request took {done['S'] - sent:.3f} s; the large replies came "
                         f"{done['L1'] - sent:.3f} and {done['L2'] - sent:.3f} s after it was sent")
+
+
+class GpuBuffers(GpuCase):
+    """GPU memory passed as a file descriptor (section 6), through the fake: a memfd named
+    "pb-fake-gpu:N" plays device N's exported memory, and the test reads it through its own mapping."""
+    DAEMON_ENV = {"PULLBACKD_FAKE_CUDA": "devices=2,memory=64M"}
+
+    def gpu_memory(self, dev, size):
+        fd = os.memfd_create(f"pb-fake-gpu:{dev}")
+        os.ftruncate(fd, size)
+        self.addCleanup(os.close, fd)
+        return fd, mmap.mmap(fd, size)
+
+    def view(self, mem, offset, shape, dtype=np.float64):
+        return np.frombuffer(mem, dtype=dtype, count=int(np.prod(shape)), offset=offset).reshape(shape)
+
+    def test_in_place(self):
+        fd, mem = self.gpu_memory(0, 1 << 16)
+        buf = self.c.register_buffer(fd, 1 << 16, device="cuda:0")
+        W, x, b = self.data()
+        self.view(mem, 0, W.shape)[...] = W
+        self.view(mem, 4096, x.shape)[...] = x
+        t = lambda off, shape: pullbackd.BufferTensor(buf, off, "f64", shape, "C")  # noqa: E731
+        inputs = {"weight": t(0, W.shape), "x": t(4096, x.shape), "bias": b}
+        want = self.c.forward("fused_dense", {"weight": W, "x": x, "bias": b}, options={"act": "tanh"})["y"]
+        # read in place, the result written in place
+        self.c.forward("fused_dense", inputs, options={"act": "tanh"}, device="cuda:0", into={"y": (buf, 8192)})
+        np.testing.assert_allclose(self.view(mem, 8192, want.shape), want, **TOL[np.float64])
+        # a tape of a GPU buffer's input is the daemon's own: overwriting the buffer after does not change it
+        y, tape = self.c.augmented_forward("fused_dense", inputs, wrt=["weight", "x"], options={"act": "tanh"},
+                                           device="cuda:0")
+        g_want = self.c.reverse(self.c.augmented_forward("fused_dense", {"weight": W, "x": x, "bias": b},
+                                                         wrt=["weight", "x"], options={"act": "tanh"})[1],
+                                {"y": np.ones((5, 3))})
+        self.view(mem, 0, W.shape)[...] = 7.0
+        self.view(mem, 4096, x.shape)[...] = 7.0
+        self.view(mem, 12288, (5, 3))[...] = 1.0  # the cotangent, in the buffer too
+        self.view(mem, 16384, W.shape)[...] = 0.5  # W̄ is added to this
+        g = self.c.reverse(tape, {"y": t(12288, (5, 3))}, into={"weight": (buf, 16384)}, accumulate=True)
+        np.testing.assert_allclose(self.view(mem, 16384, W.shape), 0.5 + g_want["weight"], **TOL[np.float64])
+        np.testing.assert_allclose(g["x"], g_want["x"], **TOL[np.float64])
+        # the tensor ops too
+        A = self.rng.standard_normal((3, 4, 5))
+        self.view(mem, 20480, A.shape)[...] = A
+        C = self.c.forward("tensoradd", {"A": t(20480, A.shape)}, options={"pA": [2, 0, 1]}, device="cuda:0")["C"]
+        np.testing.assert_array_equal(C, A.transpose(2, 0, 1))
+        self.assertTrue(self.c.unregister_buffer(buf))
+        self.wait_for(lambda: self.device("cuda:0")["used_bytes"] == 0, "nothing held")
+
+    def test_refusals(self):
+        fd0, mem0 = self.gpu_memory(0, 4096)
+        buf = self.c.register_buffer(fd0, 4096, device="cuda:0")
+        T = pullbackd.BufferTensor(buf, 0, "f64", (2, 2), "C")
+        for dev in ("cpu", "cuda:1"):
+            e = self.assertCode("invalid_argument", self.c.forward, "fused_dense", {"weight": T, "x": np.ones((2, 1))},
+                                device=dev)
+            self.assertIn(f"cuda:0's memory, and this runs on {dev}", e.message)
+            self.assertEqual(e.details.get("arg"), "inputs.weight")
+            e = self.assertCode("invalid_argument", self.c.forward, "fused_dense",
+                                {"weight": np.eye(2), "x": np.ones((2, 2))}, device=dev, into={"y": (buf, 0)})
+            self.assertIn("into.y", e.message)
+        e = self.assertCode("invalid_argument", self.c.check, "fused_dense", {"weight": T, "x": np.ones((2, 1))},
+                            wrt=["x"], device="cuda:0")
+        self.assertIn("check steps its inputs on the host", e.message)
+        y, tape = self.c.augmented_forward("fused_dense", {"weight": np.eye(2), "x": np.ones((2, 2))}, wrt=["x"])
+        e = self.assertCode("invalid_argument", self.c.reverse, tape, {"y": T})
+        self.assertIn("this runs on cpu", e.message)
+        # not an export, another device's, past its size
+        plain = os.memfd_create("not-gpu-memory")
+        os.ftruncate(plain, 4096)
+        self.addCleanup(os.close, plain)
+        e = self.assertCode("invalid_argument", self.c.register_buffer, plain, 4096, device="cuda:0")
+        self.assertIn("not a CUDA memory export", e.message)
+        fd1, _ = self.gpu_memory(1, 4096)
+        e = self.assertCode("invalid_argument", self.c.register_buffer, fd1, 4096, device="cuda:0")
+        self.assertIn("lives on cuda:1, not cuda:0", e.message)
+        e = self.assertCode("invalid_argument", self.c.register_buffer, fd1, 8192, device="cuda:1")
+        self.assertIn("more than the exported allocation", e.message)
+        self.assertEqual(self.c.register_buffer(fd1, 4096, device="cuda:1"), buf + 1)
+
+    def test_closed_connection_unmaps(self):
+        fd, mem = self.gpu_memory(1, 4096)
+        with pullbackd.Client(self.path) as other:
+            buf = other.register_buffer(fd, 4096, device="cuda:1")
+            self.view(mem, 0, (2, 2))[...] = np.eye(2)
+            y = other.forward("fused_dense", {"weight": pullbackd.BufferTensor(buf, 0, "f64", (2, 2), "C"),
+                                              "x": np.ones((2, 1))}, device="cuda:1")["y"]
+            np.testing.assert_array_equal(y, np.ones((2, 1)))
+        # the daemon's mapping goes with the connection (the fake would abort on a second unmap)
+        self.assertEqual(self.c.hello()["protocol"], 1)
 
 
 class DeviceCap(GpuCase):

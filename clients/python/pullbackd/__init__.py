@@ -1055,12 +1055,17 @@ class Client:
             tape._done = True
         return released
 
-    def register_buffer(self, fd, size):
+    def register_buffer(self, fd, size, device=None):
         """Register ``size`` bytes of fd (a memfd or shm file) with the daemon; returns the buffer id.
 
-        The fd is passed with the request (SCM_RIGHTS); the caller keeps its own.
+        The fd is passed with the request (SCM_RIGHTS); the caller keeps its own.  With ``device="cuda:N"``
+        fd is GPU memory exported as a file descriptor (a CUDA virtual-memory allocation's
+        ``cuMemExportToShareableHandle``, POSIX fd): calls on that GPU then read and write it in place.
         """
-        return self.call("register_buffer", {"size": int(size)}, fds=[fd])["buffer"]
+        params = {"size": int(size)}
+        if device is not None:
+            params["device"] = device
+        return self.call("register_buffer", params, fds=[fd])["buffer"]
 
     def unregister_buffer(self, buffer):
         """Drop a buffer (an id or SharedBuffer); requests already sent still see it."""
