@@ -10,9 +10,9 @@
 #   3. the GPU op code through the host fake, as CI runs it (a check that
 #      the carried build works here at all);
 #   4. a daemon on the real GPU: the parity sweep of every GPU op against
-#      the CPU (tests/gpu/parity.py), finite-difference checks through
-#      `check` on cuda, and python.gpu's service tests where they hold on
-#      a real device;
+#      the CPU (tests/gpu/parity.py), GPU memory exported by another
+#      process and used in place (tests/gpu/export_client.c), and
+#      finite-difference checks through `check` on cuda;
 #   5. compute-sanitizer (memcheck, then racecheck) over cuda.real;
 #   6. benchmarks: bench_gpu in process, bench_gpu_socket through the
 #      daemon with 8 processes.
@@ -70,6 +70,7 @@ if [ $gpu = 1 ]; then
     daemon=$!
     for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
     step parity "$PY" "$root/tests/gpu/parity.py" "$sock"
+    step export_client "$work/tests/gpu_export_client" "$sock"
     step fd_checks "$PY" - "$sock" "$root" <<'PYEOF'
 import sys
 import numpy as np
