@@ -80,30 +80,17 @@ void pb__exec_h2d(void *dst, const void *src, size_t n)
     EXEC(pb_gpu->h2d(dst, src, n));
 }
 
-static pb_gpu_loop_t loop_of(const pb_loop_t *L)
-{
-    pb_gpu_loop_t g;
-    memset(&g, 0, sizeof g);
-    g.rank = L->rank;
-    for (int k = 0; k < L->rank; k++) {
-        g.dim[k] = L->dim[k];
-        for (int o = 0; o < 3; o++)
-            g.s[o][k] = L->s[o][k];
-    }
-    return g;
-}
-
 void pb__exec_strided(pb_dtype_t d, const pb_loop_t *L, void *dst, const void *src, bool conj, pb_scalar_t alpha,
                       const void *src2, pb_scalar_t beta, bool accumulate)
 {
-    pb_gpu_loop_t g = loop_of(L);
+    pb_gpu_loop_t g = pb_gpu_loop_of(L);
     double al[2] = {alpha.re, alpha.im}, be[2] = {beta.re, beta.im};
     EXEC(pb_gpu->strided((int)d, &g, dst, src, conj, al, src2, be, accumulate));
 }
 
 pb_scalar_t pb__exec_dot(pb_dtype_t d, const pb_loop_t *L, const void *a, bool conj, const void *b)
 {
-    pb_gpu_loop_t g = loop_of(L);
+    pb_gpu_loop_t g = pb_gpu_loop_of(L);
     double out[2] = {0, 0};
     EXEC(pb_gpu->dot((int)d, &g, a, conj, b, out));
     return (pb_scalar_t){out[0], out[1]};
@@ -112,39 +99,13 @@ pb_scalar_t pb__exec_dot(pb_dtype_t d, const pb_loop_t *L, const void *a, bool c
 void pb__exec_gemm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a, int lda,
                    const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
 {
-    bool cplx = pb_dtype_is_complex(d);
-    if (alpha.re == 0 && (!cplx || alpha.im == 0)) {
-        /* As the CPU's GEMM (kernels/blas_t.h): a and b are not read, so
-         * NaN and Inf there reach nothing; C = beta·C, zeros for beta = 0
-         * (C not read either). */
-        if (beta.re == 1 && (!cplx || beta.im == 0))
-            return;
-        pb_loop_t L = {.rank = 2, .dim = {(uint64_t)m, (uint64_t)n}, .s = {{1, ldc}, {1, ldc}, {0, 0}}};
-        pb__exec_strided(d, &L, c, c, false, beta, NULL, (pb_scalar_t){0, 0}, false);
-        return;
-    }
-    double al[2] = {alpha.re, alpha.im}, be[2] = {beta.re, beta.im};
-    EXEC(pb_gpu->gemm((int)d, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc));
+    EXEC(pb_gpu_gemm_cm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc));
 }
 
 int pb__exec_make_owned(pb_tensor_t *t)
 {
-    pb_tensor_t n;
-    int rc = pb__exec_tensor_alloc(&n, t->dtype, t->rank, t->shape, t->order, false);
-    if (rc)
-        return rc;
-    uint64_t count = pb_tensor_count(t);
-    if (count) { /* one dense copy */
-        pb_loop_t L = {.rank = 1, .dim = {count}, .s = {{1}, {1}, {0}}};
-        pb__exec_strided(t->dtype, &L, pb_tensor_data(&n), pb_tensor_data(t), false, (pb_scalar_t){1, 0}, NULL,
-                         (pb_scalar_t){0, 0}, false);
-    }
-    if (pb_exec_failed()) {
-        pb_tensor_clear(&n);
+    if (pb_exec_failed() || pb_exec_fail(pb_gpu_copy(t, exec_gpu)))
         return PB_ENOMEM;
-    }
-    pb_tensor_clear(t);
-    *t = n;
     return 0;
 }
 

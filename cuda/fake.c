@@ -17,6 +17,7 @@
 
 #include "../kernels/fused_dense.h"
 #include "../kernels/strided.h"
+#include "gpu_ops.h"
 
 /* One allocation: the address handed out (PROT_NONE) and the shadow the
  * fake reads and writes, two mappings of the same shared pages. */
@@ -501,17 +502,9 @@ static char *loop_operand(const pb_gpu_loop_t *L, int o, const void *p, int dtyp
 
 static pb_loop_t host_loop(const pb_gpu_loop_t *g)
 {
-    pb_loop_t L;
-    memset(&L, 0, sizeof L);
     if (g->rank < 0 || g->rank > PB_MAX_RANK)
         fake_abort("strided: rank %d", g->rank);
-    L.rank = g->rank;
-    for (int k = 0; k < g->rank; k++) {
-        L.dim[k] = g->dim[k];
-        for (int o = 0; o < 3; o++)
-            L.s[o][k] = g->s[o][k];
-    }
-    return L;
+    return pb_loop_of_gpu(g);
 }
 
 static int fake_strided(int dtype, const pb_gpu_loop_t *g, void *dst, const void *src, int conj, const double alpha[2],

@@ -87,13 +87,7 @@ int pb_gpu_tensor_alloc(pb_tensor_t *t, int dev, pb_dtype_t d, int rank, const u
         return PB_ENOMEM;
     }
     s->device = (pb_device_t){PB_DEV_CUDA, dev};
-    memset(t, 0, sizeof *t);
-    t->dtype = d;
-    t->rank = rank;
-    t->order = order == 'F' ? 'F' : 'C';
-    if (rank > 0) /* a scalar may come with no shape array at all */
-        memcpy(t->shape, shape, (size_t)rank * sizeof *shape);
-    t->storage = s;
+    pb_tensor_over(t, s, d, rank, shape, order);
     return 0;
 }
 
@@ -123,8 +117,11 @@ int pb_gpu_upload(pb_tensor_t *dst, int dev, const pb_tensor_t *src)
 
 int pb_gpu_own(pb_tensor_t *t, int dev)
 {
-    if (t->storage == NULL || t->storage->kind == PB_STORAGE_DEVICE)
-        return 0;
+    return t->storage == NULL || t->storage->kind == PB_STORAGE_DEVICE ? 0 : pb_gpu_copy(t, dev);
+}
+
+int pb_gpu_copy(pb_tensor_t *t, int dev)
+{
     pb_tensor_t n;
     int rc = pb_gpu_tensor_alloc(&n, dev, t->dtype, t->rank, t->shape, t->order);
     uint64_t count = pb_tensor_count(t);
@@ -155,11 +152,53 @@ int pb_gpu_download(pb_tensor_t *dst, const pb_tensor_t *src)
     return rc;
 }
 
+pb_gpu_loop_t pb_gpu_loop_of(const pb_loop_t *L)
+{
+    pb_gpu_loop_t g;
+    memset(&g, 0, sizeof g);
+    g.rank = L->rank;
+    for (int k = 0; k < L->rank; k++) {
+        g.dim[k] = L->dim[k];
+        for (int o = 0; o < 3; o++)
+            g.s[o][k] = L->s[o][k];
+    }
+    return g;
+}
+
+pb_loop_t pb_loop_of_gpu(const pb_gpu_loop_t *g)
+{
+    pb_loop_t L;
+    memset(&L, 0, sizeof L);
+    L.rank = g->rank;
+    for (int k = 0; k < g->rank; k++) {
+        L.dim[k] = g->dim[k];
+        for (int o = 0; o < 3; o++)
+            L.s[o][k] = g->s[o][k];
+    }
+    return L;
+}
+
+int pb_gpu_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a, int lda,
+                   const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
+{
+    bool cplx = pb_dtype_is_complex(d);
+    double al[2] = {alpha.re, alpha.im}, be[2] = {beta.re, beta.im};
+    if (alpha.re != 0 || (cplx && alpha.im != 0))
+        return pb_gpu->gemm((int)d, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+    /* As the CPU's GEMM (kernels/blas_t.h): a and b are not read, so NaN
+     * and Inf there reach nothing; C = beta·C, zeros for beta = 0 (C not
+     * read either, the strided pass's alpha = 0 rule). */
+    if (m == 0 || n == 0 || (beta.re == 1 && (!cplx || beta.im == 0)))
+        return 0;
+    pb_gpu_loop_t L = {.rank = 2, .dim = {(unsigned long long)m, (unsigned long long)n}, .s = {{1, ldc}, {1, ldc}}};
+    double zero[2] = {0, 0};
+    return pb_gpu->strided((int)d, &L, c, c, 0, be, NULL, zero, 0);
+}
+
 int pb_gpu_gemm(pb_dtype_t d, pb_scalar_t alpha, pb_mview_t a, pb_mview_t b, pb_scalar_t beta, pb_mview_t c)
 {
     pb_gemm_plan_t g = pb_gemm_plan(a, b, c);
-    double al[2] = {alpha.re, alpha.im}, be[2] = {beta.re, beta.im};
-    return pb_gpu->gemm((int)d, g.ta, g.tb, g.m, g.n, g.k, al, g.a, g.lda, g.b, g.ldb, be, g.c, g.ldc);
+    return pb_gpu_gemm_cm(d, g.ta, g.tb, g.m, g.n, g.k, alpha, g.a, g.lda, g.b, g.ldb, beta, g.c, g.ldc);
 }
 
 int pb_gpu_fail(pb_err_t *err, int rc, int dev, const char *what)

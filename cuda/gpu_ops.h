@@ -14,6 +14,7 @@
 
 #include "../kernels/blas.h"
 #include "../kernels/op.h"
+#include "../kernels/strided.h"
 #include "gpu.h"
 
 /* A new uninitialised device tensor on dev.  0 or a PB_E* code. */
@@ -25,11 +26,20 @@ int pb_gpu_upload(pb_tensor_t *dst, int dev, const pb_tensor_t *src);
 /* t in daemon-owned device memory, for a tape: a device copy when it lies
  * in a client's GPU buffer. */
 int pb_gpu_own(pb_tensor_t *t, int dev);
+/* t replaced by a copy in new daemon-owned memory of dev (t lies on dev). */
+int pb_gpu_copy(pb_tensor_t *t, int dev);
 /* A new host tensor with device tensor src's bytes, in its order; it is
  * filled when the worker's stream is synchronised (pb_gpu->sync). */
 int pb_gpu_download(pb_tensor_t *dst, const pb_tensor_t *src);
-/* c = alpha·a·b + beta·c on the device (views of device tensors). */
+/* c = alpha·a·b + beta·c on the device (views of device tensors), and
+ * the same on raw column-major operands; alpha = 0 reads neither a nor b,
+ * as the CPU's GEMM. */
 int pb_gpu_gemm(pb_dtype_t d, pb_scalar_t alpha, pb_mview_t a, pb_mview_t b, pb_scalar_t beta, pb_mview_t c);
+int pb_gpu_gemm_cm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a, int lda,
+                   const void *b, int ldb, pb_scalar_t beta, void *c, int ldc);
+/* A strided pass's loop as the backend takes it, and back. */
+pb_gpu_loop_t pb_gpu_loop_of(const pb_loop_t *L);
+pb_loop_t pb_loop_of_gpu(const pb_gpu_loop_t *g);
 /* Fill err for a backend failure rc in `what` on device dev: device
  * memory exhausted, the device failed, or the library's error. */
 int pb_gpu_fail(pb_err_t *err, int rc, int dev, const char *what);

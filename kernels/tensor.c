@@ -165,6 +165,12 @@ int pb_tensor_alloc(pb_tensor_t *t, pb_dtype_t d, int rank, const uint64_t *shap
     pb_storage_t *s = pb_storage_new(bytes, zero);
     if (s == NULL)
         return PB_ENOMEM;
+    pb_tensor_over(t, s, d, rank, shape, order);
+    return 0;
+}
+
+void pb_tensor_over(pb_tensor_t *t, pb_storage_t *s, pb_dtype_t d, int rank, const uint64_t *shape, char order)
+{
     memset(t, 0, sizeof *t);
     t->dtype = d;
     t->rank = rank;
@@ -173,7 +179,6 @@ int pb_tensor_alloc(pb_tensor_t *t, pb_dtype_t d, int rank, const uint64_t *shap
         memcpy(t->shape, shape, (size_t)rank * sizeof *shape);
     t->storage = s;
     t->offset = 0;
-    return 0;
 }
 
 void pb_tensor_ref(pb_tensor_t *dst, const pb_tensor_t *src)

@@ -113,6 +113,9 @@ static inline void *pb_tensor_data(const pb_tensor_t *t)
 /* A new heap tensor of the given dtype and shape (C order unless order is
  * 'F').  0 or PB_ENOMEM. */
 int pb_tensor_alloc(pb_tensor_t *t, pb_dtype_t d, int rank, const uint64_t *shape, char order, bool zero);
+/* t: a tensor of dtype d, that shape and order ('F', else C) from the
+ * start of s, taking over the caller's reference on s. */
+void pb_tensor_over(pb_tensor_t *t, pb_storage_t *s, pb_dtype_t d, int rank, const uint64_t *shape, char order);
 /* dst becomes another reference to src's bytes. */
 void pb_tensor_ref(pb_tensor_t *dst, const pb_tensor_t *src);
 /* Drop the reference and empty the slot; safe on an empty slot. */
