@@ -27,6 +27,18 @@ int pb_exec_leave(void)
     return rc;
 }
 
+int pb_exec_pause(void)
+{
+    int gpu = exec_gpu;
+    exec_gpu = -1;
+    return gpu;
+}
+
+void pb_exec_resume(int gpu)
+{
+    exec_gpu = gpu;
+}
+
 int pb_exec_fail(int rc)
 {
     if (rc && exec_rc == 0)
@@ -100,6 +112,24 @@ void pb__exec_gemm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scala
                    const void *b, int ldb, pb_scalar_t beta, void *c, int ldc)
 {
     EXEC(pb_gpu_gemm_cm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc));
+}
+
+void pb__exec_fz(const pb_gpu_fz_t *k, double out[2])
+{
+    EXEC(pb_gpu->fz(k, out));
+}
+
+int pb__exec_syevd(pb_dtype_t d, bool vectors, int n, void *a, int lda, void *w)
+{
+    int info = 0;
+    EXEC(pb_gpu->syevd((int)d, vectors, n, a, lda, w, &info));
+    return pb_exec_failed() ? 0 : info;
+}
+
+void pb__exec_d2h(void *dst, const void *src, size_t n)
+{
+    if (EXEC(pb_gpu->d2h(dst, src, n)) == 0)
+        EXEC(pb_gpu->sync());
 }
 
 int pb__exec_make_owned(pb_tensor_t *t)

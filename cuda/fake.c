@@ -15,8 +15,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../kernels/factor_common.h"
 #include "../kernels/fused_dense.h"
 #include "../kernels/strided.h"
+#include "exec.h"
 #include "gpu_ops.h"
 
 /* One allocation: the address handed out (PROT_NONE) and the shadow the
@@ -34,6 +36,7 @@ static struct {
     size_t memory;
     long sticky_after; /* < 0: never */
     int unbindable;    /* a device thread_init refuses, or -1 */
+    int solver_info;   /* what every solver call answers, or 0: the solver's own */
     atomic_long calls;
     size_t used[PB_GPU_MAX_DEVICES];
     atomic_int failed[PB_GPU_MAX_DEVICES];
@@ -543,6 +546,78 @@ static int fake_dot(int dtype, const pb_gpu_loop_t *g, const void *a, int conj, 
     return 0;
 }
 
+/* The extent an m×n column-major matrix of leading dimension ld spans, in
+ * elements of es bytes (checked: ld at least the rows, int sizes). */
+static size_t mat_bytes(int m, int n, int ld, size_t es, const char *what)
+{
+    if (m < 0 || n < 0 || ld < (m > 1 ? m : 1))
+        fake_abort("%s: %d × %d with leading dimension %d", what, m, n, ld);
+    return m && n ? ((size_t)(n - 1) * (size_t)ld + (size_t)m) * es : 0;
+}
+
+static int fake_fz(const pb_gpu_fz_t *k, double out[2])
+{
+    int rc = stream_call("fz");
+    if (rc)
+        return rc;
+    if (k->dtype < 0 || k->dtype > 3 || k->kind < PB_GPU_FZ_AMAX || k->kind > PB_GPU_FZ_EIGH_F)
+        fake_abort("fz: dtype %d, kind %d", k->dtype, k->kind);
+    bool square = k->kind >= PB_GPU_FZ_HERM_GAP && k->kind != PB_GPU_FZ_PHASES;
+    bool reduces = k->kind <= PB_GPU_FZ_HERM_GAP || k->kind == PB_GPU_FZ_EIGH_F;
+    if (square && k->m != k->n)
+        fake_abort("fz: kind %d needs a square matrix, given %d × %d", k->kind, k->m, k->n);
+    size_t es = esize[k->dtype], res = k->dtype == 2 ? 4 : k->dtype == 3 ? 8 : es;
+    pb_gpu_fz_t h = *k;
+    double o[2] = {0, 1};
+    if (reduces)
+        host_ptr(out, 2 * sizeof *out, "fz result");
+    size_t xb = mat_bytes(k->m, k->n, k->ld, es, "fz x");
+    if (xb == 0) { /* nothing is touched */
+        if (reduces)
+            memcpy(out, o, sizeof o);
+        return 0;
+    }
+    h.x = dev_ptr(k->x, xb, "fz x");
+    if (k->kind == PB_GPU_FZ_EIGH_F) {
+        h.w = k->w ? dev_ptr(k->w, (size_t)k->n * res, "fz w") : NULL;
+        h.v = k->v ? dev_ptr(k->v, (size_t)k->n * res, "fz v") : NULL;
+    } else if (k->w || k->v)
+        fake_abort("fz: kind %d takes no vectors", k->kind);
+    pb__fz_kernel_host(&h, o);
+    if (reduces)
+        memcpy(out, o, sizeof o);
+    return 0;
+}
+
+static int fake_syevd(int dtype, int vectors, int n, void *a, int lda, void *w, int *info)
+{
+    int rc = stream_call("syevd");
+    if (rc)
+        return rc;
+    if (dtype < 0 || dtype > 3)
+        fake_abort("syevd: dtype %d", dtype);
+    host_ptr(info, sizeof *info, "syevd info");
+    size_t es = esize[dtype], res = dtype == 2 ? 4 : dtype == 3 ? 8 : es;
+    size_t ab = mat_bytes(n, n, lda, es, "syevd a");
+    if (n == 0) {
+        *info = 0;
+        return 0;
+    }
+    char *sa = dev_ptr(a, ab, "syevd a"), *sw = dev_ptr(w, (size_t)n * res, "syevd w");
+    char job = vectors ? 'V' : 'N';
+    int gpu = pb_exec_pause(); /* LAPACK's GEMMs on the host (exec.h) */
+    int r = dtype == 0   ? LAPACKE_ssyevd(LAPACK_COL_MAJOR, job, 'L', n, (float *)sa, lda, (float *)sw)
+            : dtype == 1 ? LAPACKE_dsyevd(LAPACK_COL_MAJOR, job, 'L', n, (double *)sa, lda, (double *)sw)
+            : dtype == 2 ? LAPACKE_cheevd(LAPACK_COL_MAJOR, job, 'L', n, (lapack_complex_float *)sa, lda, (float *)sw)
+                         : LAPACKE_zheevd(LAPACK_COL_MAJOR, job, 'L', n, (lapack_complex_double *)sa, lda,
+                                          (double *)sw);
+    pb_exec_resume(gpu);
+    if (r < 0) /* cuSOLVER checks its arguments too: a bad one is ours */
+        fake_abort("syevd: argument %d rejected", -r);
+    *info = F.solver_info ? F.solver_info : r;
+    return 0;
+}
+
 static const char *fake_last_error(void)
 {
     return last;
@@ -571,6 +646,8 @@ static const pb_gpu_backend_t fake = {
     .row_sum = fake_row_sum,
     .strided = fake_strided,
     .dot = fake_dot,
+    .fz = fake_fz,
+    .syevd = fake_syevd,
     .last_error = fake_last_error,
 };
 
@@ -605,6 +682,7 @@ const pb_gpu_backend_t *pb__gpu_fake(const char *spec, char *msg, size_t len)
     F.memory = 1ull << 30;
     F.sticky_after = -1;
     F.unbindable = -1;
+    F.solver_info = 0;
     atomic_store(&F.calls, 0);
     for (int d = 0; d < PB_GPU_MAX_DEVICES; d++) {
         F.used[d] = 0;
@@ -625,10 +703,12 @@ const pb_gpu_backend_t *pb__gpu_fake(const char *spec, char *msg, size_t len)
             F.sticky_after = (long)v;
         else if (klen == 10 && !strncmp(p, "unbindable", 10) && v < PB_GPU_MAX_DEVICES)
             F.unbindable = (int)v;
+        else if (klen == 11 && !strncmp(p, "solver_info", 11) && v >= 1 && v <= INT32_MAX)
+            F.solver_info = (int)v;
         else {
             snprintf(msg, len,
                      "PULLBACKD_FAKE_CUDA: \"%.*s\": settings are devices=1..%d, memory=BYTES[K|M|G], "
-                     "sticky_after=N, unbindable=DEVICE",
+                     "sticky_after=N, unbindable=DEVICE, solver_info=1..2^31-1",
                      (int)n, p, PB_GPU_MAX_DEVICES);
             return NULL;
         }

@@ -10,6 +10,8 @@
  *                   device fails that device with a sticky error, as an
  *                   illegal address would (default: never)
  *   unbindable=D    device D's thread_init fails (its workers cannot bind)
+ *   solver_info=K   every solver call (syevd) reports info K, as one that
+ *                   did not converge (default: the solver's own)
  * An empty value is "devices=1".  The daemon reads it once at start.
  *
  * What it checks, each by aborting the process with a "fake CUDA:" line
@@ -22,11 +24,13 @@
  *     will touch, inside one live allocation of the calling worker's
  *     device, and every host pointer lies outside all of them;
  *   - stream calls come from a thread bound by thread_init;
- *   - BLAS's preconditions: int sizes, leading dimensions at least the
- *     rows;
+ *   - BLAS's and cuSOLVER's preconditions: int sizes, leading dimensions
+ *     at least the rows, square matrices where a kernel wants one, info
+ *     in host memory (the backend copies it back);
  *   - free is given what alloc gave, once.
- * The math is the CPU's: OpenBLAS for GEMMs, kernels/fused_dense.c's
- * passes for the kernels. */
+ * The math is the CPU's: OpenBLAS for GEMMs, LAPACK for the solver,
+ * kernels/fused_dense.c's passes and the factorizations' host kernels
+ * (kernels/factor_common_t.h) for the kernels. */
 #ifndef PB_GPU_FAKE_H
 #define PB_GPU_FAKE_H
 

@@ -18,6 +18,9 @@ static int ndevices;
 
 const pb_gpu_backend_t *pb__gpu_real(const char **why)
 {
+#define STR_(x) #x
+#define STR(x) STR_(x)
+#define ENTRY STR(PB_GPU_MODULE_FN)
     static bool tried;
     static const pb_gpu_backend_t *backend;
     static char whynot[300] = "the CUDA backend module " MODULE " was not found";
@@ -38,10 +41,16 @@ const pb_gpu_backend_t *pb__gpu_real(const char **why)
             if (paths[i] == NULL || paths[i][0] == 0 || (i > 0 && access(paths[i], F_OK) != 0))
                 continue;
             void *h = dlopen(paths[i], RTLD_NOW | RTLD_LOCAL);
-            pb_gpu_module_fn *fn = h ? (pb_gpu_module_fn *)dlsym(h, "pb__gpu_real_backend") : NULL;
+            pb_gpu_module_fn *fn = h ? (pb_gpu_module_fn *)dlsym(h, ENTRY) : NULL;
             if (fn)
                 backend = fn();
-            else
+            else if (h) {
+                snprintf(whynot, sizeof whynot,
+                         "the CUDA backend module %s has no %s: it was built from another version of cuda/gpu.h; "
+                         "rebuild it",
+                         paths[i], ENTRY);
+                dlclose(h);
+            } else
                 snprintf(whynot, sizeof whynot, "the CUDA backend module did not load: %s", dlerror());
         }
     }
@@ -78,7 +87,8 @@ int pb_gpu_tensor_alloc(pb_tensor_t *t, int dev, pb_dtype_t d, int rank, const u
     if (!pb_shape_count(rank, shape, pb_dtype_size(d), NULL, &bytes))
         return PB_ENOMEM;
     void *p;
-    int rc = pb_gpu->alloc(dev, bytes, &p);
+    /* never NULL, as on the host: a zero-size tensor is still one */
+    int rc = pb_gpu->alloc(dev, bytes ? bytes : 1, &p);
     if (rc)
         return rc;
     pb_storage_t *s = pb_storage_wrap(PB_STORAGE_DEVICE, p, bytes, device_free, NULL);

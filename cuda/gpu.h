@@ -65,6 +65,52 @@ typedef struct pb_gpu_loop {
     long long s[3][PB_GPU_MAX_RANK];
 } pb_gpu_loop_t;
 
+/* The factorizations' matrix kernels (kernels/factor_common.h says where
+ * each serves): one pass over the m×n column-major x, leading dimension
+ * ld.  Each kind does on the device what the CPU's helper of the same
+ * name does on the host (kernels/factor_common_t.h, FZ(kernel_host)),
+ * which the fake runs and the real backend's kernels follow.  The kinds
+ * marked "waits" reduce into out (host memory): maxima are exact, so any
+ * order gives the CPU's result; sums are in double in a fixed order. */
+typedef enum pb_gpu_fz_kind {
+    /* waits: out[0] = max|x_ij| (a complex modulus from re² + im², taken
+     * again with every entry scaled by a power of two when the largest
+     * square leaves double's normal range), out[1] = 1 when every entry
+     * is finite, else 0 (then out[0] is unspecified) */
+    PB_GPU_FZ_AMAX,
+    /* waits: out[0] = the Frobenius norm, the sum of re² + im² in double
+     * (taken again scaled by a power of two when it leaves the normal
+     * range); NaN when an entry is */
+    PB_GPU_FZ_NORM,
+    /* waits: out[0] = max over i <= j of |x_ij - conj(x_ji)| (square x),
+     * from the squares unless they leave the normal range (then hypot) */
+    PB_GPU_FZ_HERM_GAP,
+    /* x_jj = re(x_jj); x_ij = (x_ij + conj(x_ji))/2 for i > j: the lower
+     * triangle a Hermitian solver reads (square x) */
+    PB_GPU_FZ_HERMITIZE,
+    /* x = (x - xᴴ)/2 over both triangles (square x) */
+    PB_GPU_FZ_ANTIHERM,
+    /* each column times conj(p)/|p|, p its entry of largest re² + im²
+     * (the first on a tie), which is then set to |p| exactly; a zero
+     * column stays */
+    PB_GPU_FZ_PHASES,
+    /* waits: eigh's F-matrix (square x, w the n eigenvalues, ascending):
+     * x_ij = x_ij/(w_j - w_i) where i != j and |w_j - w_i| >= param, else
+     * x_ij = 0 and out[0] = the largest |x_ij| so zeroed; then x_ii += v_i
+     * when v is not NULL.  w NULL: x is left as it is but for that
+     * diagonal add (out[0] = 0).  w and v: device vectors of the real
+     * dtype */
+    PB_GPU_FZ_EIGH_F,
+} pb_gpu_fz_kind_t;
+
+typedef struct pb_gpu_fz {
+    int kind, dtype;
+    int m, n, ld;
+    void *x;
+    const void *w, *v;
+    double param;
+} pb_gpu_fz_t;
+
 typedef struct pb_gpu_backend {
     const char *name; /* "cuda" or "fake" */
     /* Devices present (0 when none); called once at start. */
@@ -128,6 +174,16 @@ typedef struct pb_gpu_backend {
      * a, s[1] b), summed in double in a fixed order (deterministic); out
      * is host memory, {re, im}. */
     int (*dot)(int dtype, const pb_gpu_loop_t *L, const void *a, int conj, const void *b, double out[2]);
+    /* Stream: a factorization kernel (pb_gpu_fz_t); the kinds that reduce
+     * wait for it.  out may be NULL for the others. */
+    int (*fz)(const pb_gpu_fz_t *k, double out[2]);
+    /* Stream, then waits: the eigendecomposition of the n×n Hermitian a
+     * (column-major, lda >= n; the lower triangle is read): w (device, n
+     * values of the real dtype) ascending; with vectors, a is overwritten
+     * by orthonormal eigenvectors, else by the solver's work.  *info
+     * (host) is the solver's: 0, or > 0 when it did not converge (LAPACK's
+     * meaning).  cusolverDnXsyevd with the deterministic mode on. */
+    int (*syevd)(int dtype, int vectors, int n, void *a, int lda, void *w, int *info);
     /* The library's words on the calling thread's last failure. */
     const char *(*last_error)(void);
 } pb_gpu_backend_t;
@@ -150,8 +206,13 @@ int pb_gpu_count(void);
  * lies in (../cuda/ or ../../cuda/), else the installed library folder.  why (if not NULL)
  * says why there is none. */
 const pb_gpu_backend_t *pb__gpu_real(const char **why);
-/* The module's entry point. */
+/* The module's entry point.  Its name carries the version of the table
+ * above, so a module built against another layout of pb_gpu_backend_t
+ * (a stale build: nvcc's objects do not track this header) is refused
+ * instead of called through the wrong slots: bump it with every change
+ * to the table. */
 typedef const pb_gpu_backend_t *pb_gpu_module_fn(void);
+#define PB_GPU_MODULE_FN pb__gpu_real_backend_v2
 
 #ifdef __cplusplus
 }

@@ -1,6 +1,7 @@
-/* The real GPU backend (cuda/gpu.h): the CUDA runtime, cuBLAS and our own
- * kernels for fused_dense, the strided passes and dot (see "strided passes"
- * below).
+/* The real GPU backend (cuda/gpu.h): the CUDA runtime, cuBLAS, cuSOLVER
+ * (syevd) and our own kernels for fused_dense, the strided passes and dot
+ * (see "strided passes" below) and the factorizations' matrix passes (see
+ * "the factorizations' matrix kernels").
  *
  * Devices.  count() asks cudaGetDeviceCount and nothing else, so a machine
  * without a driver or GPU makes no other CUDA call (cuBLAS handles leak
@@ -36,8 +37,10 @@
  * Workers.  thread_init binds the calling thread: a non-blocking stream,
  * a cuBLAS handle on it (pedantic math: no TF32 or emulation; host pointer
  * mode; a 32 MiB workspace from the pool, so cuBLAS does not cudaMalloc
- * its own), dot's 4 KiB scratch from the pool (neither counts in used()),
- * two events and an 8 MiB pinned staging buffer, all in
+ * its own), a cuSOLVER handle on it (deterministic results, default math)
+ * with one cusolverDnParams_t, dot's 4 KiB scratch from the pool (also
+ * fz's partials and syevd's info; neither it nor the cuBLAS workspace
+ * counts in used()), two events and an 8 MiB pinned staging buffer, all in
  * thread-local state; thread_fini frees them.
  *
  * Copies.  Client memory is pageable: h2d and d2h go through the staging
@@ -57,9 +60,9 @@
  * that cudaGetLastError cannot clear (cudaPeekAtLastError still returns an
  * error afterwards), mark the device failed: PB_EDEVICE_UNAVAILABLE, now
  * and from every later call for that device, which then touches CUDA no
- * more.  Anything else is cleared and PB_EINTERNAL.  cuBLAS's
- * ALLOC_FAILED is PB_ENOMEM; its other failures look at the CUDA error
- * underneath the same way.  On a failed device, free and thread_fini only
+ * more.  Anything else is cleared and PB_EINTERNAL.  cuBLAS's and
+ * cuSOLVER's ALLOC_FAILED are PB_ENOMEM; their other failures look at the
+ * CUDA error underneath the same way.  On a failed device, free and thread_fini only
  * forget their memory (its bytes leave used()) and leak it: a poisoned
  * context can be torn down only by the process's end.
  *
@@ -92,10 +95,14 @@
 #include <cuda.h> /* types only: no -lcuda, see "Imports" */
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
+#include <cusolverDn.h>
 
 #include <atomic>
+#include <cfloat>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <new>
@@ -137,8 +144,12 @@ struct worker_state {
     int dev;
     cudaStream_t stream;
     cublasHandle_t blas;
+    cusolverDnHandle_t solver;
+    cusolverDnParams_t solver_params;
     void *workspace;
-    void *dot_scratch; /* dot's partials and result (DOT_SCRATCH bytes) */
+    /* DOT_SCRATCH bytes, in stream order: dot's and fz's partials and
+     * result, syevd's info */
+    void *dot_scratch;
     unsigned char *staging;
     cudaEvent_t ev[2];
 };
@@ -204,21 +215,29 @@ int cuda_fail(int dev, cudaError_t e, const char *what)
             return cuda_fail((dev), ck_e_, #call);  \
     } while (0)
 
-int blas_fail(int dev, cublasStatus_t s, const char *what)
+/* A library's failure (cuBLAS's, cuSOLVER's: its status name and words)
+ * as a PB_E* code: its own out of memory, a sticky CUDA error beneath it
+ * (the device fails), else internal. */
+int lib_fail(int dev, bool alloc_failed, const char *name, const char *words, const char *what)
 {
-    if (s == CUBLAS_STATUS_ALLOC_FAILED) {
-        set_err(what, cublasGetStatusName(s), cublasGetStatusString(s));
+    if (alloc_failed) {
+        set_err(what, name, words);
         return PB_ENOMEM;
     }
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) {
         int rc = cuda_fail(dev, e, what);
         size_t len = strlen(t_err);
-        snprintf(t_err + len, sizeof t_err - len, " [%s]", cublasGetStatusName(s));
+        snprintf(t_err + len, sizeof t_err - len, " [%s]", name);
         return rc;
     }
-    set_err(what, cublasGetStatusName(s), cublasGetStatusString(s));
+    set_err(what, name, words);
     return PB_EINTERNAL;
+}
+
+int blas_fail(int dev, cublasStatus_t s, const char *what)
+{
+    return lib_fail(dev, s == CUBLAS_STATUS_ALLOC_FAILED, cublasGetStatusName(s), cublasGetStatusString(s), what);
 }
 
 #define BK(dev, call)                               \
@@ -226,6 +245,44 @@ int blas_fail(int dev, cublasStatus_t s, const char *what)
         cublasStatus_t bk_s_ = (call);              \
         if (bk_s_ != CUBLAS_STATUS_SUCCESS)         \
             return blas_fail((dev), bk_s_, #call);  \
+    } while (0)
+
+/* cuSOLVER has no status names or strings of its own. */
+const char *solver_status_text(cusolverStatus_t s, const char **text)
+{
+    switch (s) {
+#define SOLVER_STATUS(name, words) \
+    case name:                     \
+        *text = words;             \
+        return #name;
+        SOLVER_STATUS(CUSOLVER_STATUS_NOT_INITIALIZED, "the handle is not initialised")
+        SOLVER_STATUS(CUSOLVER_STATUS_ALLOC_FAILED, "cuSOLVER could not allocate memory")
+        SOLVER_STATUS(CUSOLVER_STATUS_INVALID_VALUE, "an argument was rejected")
+        SOLVER_STATUS(CUSOLVER_STATUS_ARCH_MISMATCH, "the device lacks a feature cuSOLVER needs")
+        SOLVER_STATUS(CUSOLVER_STATUS_MAPPING_ERROR, "a texture mapping failed")
+        SOLVER_STATUS(CUSOLVER_STATUS_EXECUTION_FAILED, "a kernel failed to launch or run")
+        SOLVER_STATUS(CUSOLVER_STATUS_INTERNAL_ERROR, "an internal cuSOLVER operation failed")
+        SOLVER_STATUS(CUSOLVER_STATUS_MATRIX_TYPE_NOT_SUPPORTED, "matrix type not supported")
+        SOLVER_STATUS(CUSOLVER_STATUS_NOT_SUPPORTED, "not supported")
+        SOLVER_STATUS(CUSOLVER_STATUS_INVALID_WORKSPACE, "invalid workspace")
+#undef SOLVER_STATUS
+    default:
+        *text = "a cuSOLVER failure";
+        return "CUSOLVER_STATUS_UNKNOWN";
+    }
+}
+
+int solver_fail(int dev, cusolverStatus_t s, const char *what)
+{
+    const char *words, *name = solver_status_text(s, &words);
+    return lib_fail(dev, s == CUSOLVER_STATUS_ALLOC_FAILED, name, words, what);
+}
+
+#define SK(dev, call)                                 \
+    do {                                              \
+        cusolverStatus_t sk_s_ = (call);              \
+        if (sk_s_ != CUSOLVER_STATUS_SUCCESS)         \
+            return solver_fail((dev), sk_s_, #call);  \
     } while (0)
 
 int unavailable(int dev)
@@ -798,6 +855,323 @@ int launch_dot(const sloop &P, const void *a, const void *b, bool cj, cd *part)
     return launched("dot final kernel launch");
 }
 
+/* ---- the factorizations' matrix kernels (gpu.h's pb_gpu_fz_t) ----
+ *
+ * Each kind follows the CPU's helper (kernels/factor_common_t.h,
+ * FZ(kernel_host), which the fake runs) operation for operation: the same
+ * promotions to double and roundings back to the element type, each
+ * product, sum and quotient rounded by itself (__dmul_rn and friends: no
+ * FMA contraction, as the CPU build has none), complex products the
+ * textbook way as the strided passes do.  Finite results then match the
+ * CPU's bit for bit, but for moduli taken with hypot (cabs on the CPU),
+ * where CUDA's libm may differ from glibc's by an ulp or two (CUDA.md),
+ * and NORM's sum, which adds in another (fixed) order than the CPU's loop.
+ *
+ * Reductions run on dot's fixed grid (FZ_BLOCKS blocks of THREADS, each
+ * thread over indices tid, tid + FZ_BLOCKS·THREADS, ...; a fixed tree in
+ * each block, then one block over the partials) into dot's scratch, so
+ * the one sum (NORM, in double) has the same order on every device, and
+ * maxima are exact in any order.  A reduction yields two doubles (a cd,
+ * re and im by name only).  Where the CPU takes a second pass (scaled
+ * squares, hypot), the host reads the first result, decides as the CPU
+ * does, and launches the second. */
+constexpr unsigned FZ_BLOCKS = DOT_BLOCKS;
+
+template <typename T> struct fz_real_of {
+    using type = T;
+};
+template <> struct fz_real_of<cf> {
+    using type = float;
+};
+template <> struct fz_real_of<cd> {
+    using type = double;
+};
+template <typename T> using real_t = typename fz_real_of<T>::type;
+template <typename T> constexpr bool is_cplx = false;
+template <> constexpr bool is_cplx<cf> = true;
+template <> constexpr bool is_cplx<cd> = true;
+
+/* C's RE and IM: the parts as double. */
+__device__ __forceinline__ double re_of(float a) { return a; }
+__device__ __forceinline__ double re_of(double a) { return a; }
+__device__ __forceinline__ double re_of(cf a) { return a.re; }
+__device__ __forceinline__ double re_of(cd a) { return a.re; }
+__device__ __forceinline__ double im_of(float) { return 0; }
+__device__ __forceinline__ double im_of(double) { return 0; }
+__device__ __forceinline__ double im_of(cf a) { return a.im; }
+__device__ __forceinline__ double im_of(cd a) { return a.im; }
+
+/* (T) of a value computed in double: each part rounded to T's real type
+ * (the imaginary part dropped for real T). */
+template <typename T> __device__ __forceinline__ T from_parts(double re, double im);
+template <> __device__ __forceinline__ float from_parts<float>(double re, double) { return (float)re; }
+template <> __device__ __forceinline__ double from_parts<double>(double re, double) { return re; }
+template <> __device__ __forceinline__ cf from_parts<cf>(double re, double im) { return {(float)re, (float)im}; }
+template <> __device__ __forceinline__ cd from_parts<cd>(double re, double im) { return {re, im}; }
+
+__device__ __forceinline__ cf e_sub(cf a, cf b) { return {e_sub(a.re, b.re), e_sub(a.im, b.im)}; }
+__device__ __forceinline__ cd e_sub(cd a, cd b) { return {e_sub(a.re, b.re), e_sub(a.im, b.im)}; }
+
+/* re² + im² in double, as the CPU's squared moduli. */
+__device__ __forceinline__ double sq(double re, double im) { return __dadd_rn(__dmul_rn(re, re), __dmul_rn(im, im)); }
+template <typename T> __device__ __forceinline__ double sq(T a) { return sq(re_of(a), im_of(a)); }
+
+/* The CPU's ABS: fabs, or cabs of the value promoted to double complex. */
+__device__ __forceinline__ double abs_of(float a) { return fabs((double)a); }
+__device__ __forceinline__ double abs_of(double a) { return fabs(a); }
+__device__ __forceinline__ double abs_of(cf a) { return hypot((double)a.re, (double)a.im); }
+__device__ __forceinline__ double abs_of(cd a) { return hypot(a.re, a.im); }
+
+/* (T)(x * 0.5) and (T)(x / d): T times or over a double, in double. */
+template <typename T> __device__ __forceinline__ T half_of(T x)
+{
+    return from_parts<T>(__dmul_rn(re_of(x), 0.5), __dmul_rn(im_of(x), 0.5));
+}
+template <typename T> __device__ __forceinline__ T div_by(T x, double d)
+{
+    return from_parts<T>(__ddiv_rn(re_of(x), d), __ddiv_rn(im_of(x), d));
+}
+
+/* x += r for a real r: the real part alone, in T's real type. */
+__device__ __forceinline__ float add_re(float x, float r) { return e_add(x, r); }
+__device__ __forceinline__ double add_re(double x, double r) { return e_add(x, r); }
+__device__ __forceinline__ cf add_re(cf x, float r) { return {e_add(x.re, r), x.im}; }
+__device__ __forceinline__ cd add_re(cd x, double r) { return {e_add(x.re, r), x.im}; }
+
+/* How two partial results join.  The maxima start at 0 and take a value
+ * only when it is larger, so a NaN never enters (the CPU's comparisons
+ * and fmax drop NaNs the same way). */
+struct j_max { /* both halves the larger */
+    __device__ static cd join(cd a, cd b) { return {b.re > a.re ? b.re : a.re, b.im > a.im ? b.im : a.im}; }
+};
+struct j_flag_max { /* re: NaN (a non-finite entry was seen) wins, else the larger; im the larger */
+    __device__ static cd join(cd a, cd b)
+    {
+        return {isnan(a.re) ? a.re : isnan(b.re) ? b.re : b.re > a.re ? b.re : a.re, b.im > a.im ? b.im : a.im};
+    }
+};
+struct j_sum_max { /* re summed, im the larger */
+    __device__ static cd join(cd a, cd b) { return {__dadd_rn(a.re, b.re), b.im > a.im ? b.im : a.im}; }
+};
+
+/* The block's threads' v joined in a fixed tree into *dst; all threads
+ * call it, once a kernel. */
+template <typename J> __device__ __forceinline__ void fz_block_join(cd v, cd *dst)
+{
+    __shared__ cd sh[THREADS];
+    sh[threadIdx.x] = v;
+    for (unsigned w = THREADS / 2; w > 0; w /= 2) {
+        __syncthreads();
+        if (threadIdx.x < w)
+            sh[threadIdx.x] = J::join(sh[threadIdx.x], sh[threadIdx.x + w]);
+    }
+    if (threadIdx.x == 0)
+        *dst = sh[0];
+}
+
+/* One block: the FZ_BLOCKS partials into part[FZ_BLOCKS]. */
+template <typename J> __global__ void __launch_bounds__(THREADS) k_fz_final(cd *part)
+{
+    cd v = {0, 0};
+    for (unsigned i = threadIdx.x; i < FZ_BLOCKS; i += THREADS)
+        v = J::join(v, part[i]);
+    fz_block_join<J>(v, part + FZ_BLOCKS);
+}
+
+/* Element idx of the m×n x (leading dimension ld), column-major order. */
+template <typename T> __device__ __forceinline__ T *fz_at(T *x, size_t idx, size_t m, size_t ld, size_t *i, size_t *j)
+{
+    unsigned long long q, r = divmod(idx, m, &q);
+    *i = (size_t)r;
+    *j = (size_t)q;
+    return x + *j * ld + *i;
+}
+
+/* AMAX: {max re² + im² (NaN once an entry is not finite), max of the
+ * largest |part| of each entry}; scaled: the squares of the entries times
+ * 2^-e (all finite then). */
+template <typename T>
+__global__ void __launch_bounds__(THREADS) k_fz_amax(const T *x, size_t m, size_t n, size_t ld, int e, bool scaled,
+                                                     cd *part)
+{
+    double big = 0, top = 0;
+    bool bad = false;
+    GRID_STRIDE(idx, m * n)
+    {
+        size_t i, j;
+        T v = *fz_at(x, idx, m, ld, &i, &j);
+        double re = re_of(v), im = im_of(v);
+        if (scaled) {
+            re = ldexp(re, -e);
+            im = ldexp(im, -e);
+        } else {
+            double t = fmax(fabs(re), fabs(im));
+            top = t > top ? t : top;
+            bad = bad || !isfinite(re) || !isfinite(im); /* the CPU's (re - re) + (im - im) != 0 */
+        }
+        double a = sq(re, im);
+        big = a > big ? a : big;
+    }
+    fz_block_join<j_flag_max>({bad ? (double)NAN : big, top}, part + blockIdx.x);
+}
+
+/* NORM: {Σ re² + im² (times 2^-e each part when scaled), max |part|}. */
+template <typename T>
+__global__ void __launch_bounds__(THREADS) k_fz_norm(const T *x, size_t m, size_t n, size_t ld, int e, bool scaled,
+                                                     cd *part)
+{
+    double s = 0, top = 0;
+    GRID_STRIDE(idx, m * n)
+    {
+        size_t i, j;
+        T v = *fz_at(x, idx, m, ld, &i, &j);
+        double re = re_of(v), im = im_of(v);
+        if (scaled) {
+            re = ldexp(re, -e);
+            im = ldexp(im, -e);
+        } else
+            top = fmax(top, fmax(fabs(re), fabs(im)));
+        s = __dadd_rn(s, sq(re, im));
+    }
+    fz_block_join<j_sum_max>({s, top}, part + blockIdx.x);
+}
+
+/* HERM_GAP over i <= j of d = x_ij - conj(x_ji) (in T): {max |d|²,
+ * max of the largest |part| of d}, or with hyp {max hypot(d), 0}. */
+template <typename T>
+__global__ void __launch_bounds__(THREADS) k_fz_herm_gap(const T *x, size_t n, size_t ld, bool hyp, cd *part)
+{
+    double worst = 0, top = 0;
+    GRID_STRIDE(idx, n * n)
+    {
+        size_t i, j;
+        const T *p = fz_at(x, idx, n, ld, &i, &j);
+        if (i > j)
+            continue;
+        T d = e_sub(*p, e_conj(x[i * ld + j]));
+        double re = re_of(d), im = im_of(d);
+        if (hyp)
+            worst = fmax(worst, hypot(re, im));
+        else {
+            double a = sq(re, im), t = fmax(fabs(re), fabs(im));
+            worst = a > worst ? a : worst;
+            top = t > top ? t : top;
+        }
+    }
+    fz_block_join<j_max>({worst, top}, part + blockIdx.x);
+}
+
+/* HERMITIZE: the diagonal to its real part, x_ij = (x_ij + conj(x_ji))/2
+ * for i > j; the upper triangle, only read, stays. */
+template <typename T> __global__ void k_fz_hermitize(T *x, size_t n, size_t ld)
+{
+    GRID_STRIDE(idx, n * n)
+    {
+        size_t i, j;
+        T *p = fz_at(x, idx, n, ld, &i, &j);
+        if (i < j)
+            continue;
+        *p = i == j ? from_parts<T>(re_of(*p), 0) : half_of(e_add(*p, e_conj(x[i * ld + j])));
+    }
+}
+
+/* ANTIHERM: one thread a pair i <= j, both read before either is written
+ * (the diagonal: the second write, as on the CPU). */
+template <typename T> __global__ void k_fz_antiherm(T *x, size_t n, size_t ld)
+{
+    GRID_STRIDE(idx, n * n)
+    {
+        size_t i, j;
+        T *pij = fz_at(x, idx, n, ld, &i, &j);
+        if (i > j)
+            continue;
+        T *pji = x + i * ld + j;
+        T a = *pij, b = *pji;
+        *pij = half_of(e_sub(a, e_conj(b)));
+        *pji = half_of(e_sub(b, e_conj(a)));
+    }
+}
+
+/* PHASES: one block a column.  Each thread keeps the first index of its
+ * largest re² + im² (strictly larger replaces, so a NaN never does), the
+ * tree keeps the larger, the smaller index on a tie: the CPU's first
+ * index of the largest.  A thread with no entry offers -1 at its own
+ * index, which thread 0 (index 0, at least -1) beats. */
+template <typename T> __global__ void __launch_bounds__(THREADS) k_fz_phases(T *x, size_t m, size_t n, size_t ld)
+{
+    __shared__ double sb[THREADS];
+    __shared__ size_t si[THREADS];
+    for (size_t j = blockIdx.x; j < n; j += gridDim.x) { /* the same trip count in the whole block */
+        T *col = x + j * ld;
+        double big = -1;
+        size_t best = threadIdx.x;
+        for (size_t i = threadIdx.x; i < m; i += THREADS) {
+            double a = sq(col[i]);
+            if (a > big) {
+                big = a;
+                best = i;
+            }
+        }
+        sb[threadIdx.x] = big;
+        si[threadIdx.x] = best;
+        for (unsigned w = THREADS / 2; w > 0; w /= 2) {
+            __syncthreads();
+            if (threadIdx.x < w) {
+                double ob = sb[threadIdx.x + w];
+                size_t oi = si[threadIdx.x + w];
+                if (ob > sb[threadIdx.x] || (ob == sb[threadIdx.x] && oi < si[threadIdx.x])) {
+                    sb[threadIdx.x] = ob;
+                    si[threadIdx.x] = oi;
+                }
+            }
+        }
+        __syncthreads();
+        best = si[0];
+        double r = sqrt(sb[0]); /* correctly rounded, as the host's; NaN for -1 */
+        T p = from_parts<T>(1, 0);
+        if (r > 0)
+            p = div_by(e_conj(col[best]), r);
+        __syncthreads(); /* col[best], sb and si read by all before anything is written */
+        for (size_t i = threadIdx.x; i < m; i += THREADS) {
+            T v = e_mul(col[i], p);
+            col[i] = i == best ? from_parts<T>(abs_of(v), 0) : v; /* exactly real */
+        }
+    }
+}
+
+/* EIGH_F: with w, x_ij = x_ij/(w_j - w_i), or 0 (its modulus into the
+ * maximum) where i = j or |w_j - w_i| < deg; then x_ii += v_i.  Without
+ * w only the diagonal's v_i. */
+template <typename T>
+__global__ void __launch_bounds__(THREADS) k_fz_eigh_f(T *x, size_t n, size_t ld, const real_t<T> *w,
+                                                       const real_t<T> *v, double deg, cd *part)
+{
+    double g = 0;
+    if (w) {
+        GRID_STRIDE(idx, n * n)
+        {
+            size_t i, j;
+            T *p = fz_at(x, idx, n, ld, &i, &j);
+            double gap = __dsub_rn((double)w[j], (double)w[i]);
+            T val = *p;
+            if (fabs(gap) < deg || i == j) {
+                g = fmax(g, abs_of(val));
+                val = T();
+            } else
+                val = div_by(val, gap);
+            if (v && i == j)
+                val = add_re(val, v[i]);
+            *p = val;
+        }
+    } else if (v) {
+        GRID_STRIDE(i, n)
+        {
+            x[i * ld + i] = add_re(x[i * ld + i], v[i]);
+        }
+    }
+    fz_block_join<j_max>({g, 0}, part + blockIdx.x);
+}
+
 /* ---- the backend ---- */
 
 int real_count(void)
@@ -839,6 +1213,10 @@ void worker_release(worker_state &w)
 {
     if (w.blas)
         (void)cublasDestroy(w.blas);
+    if (w.solver_params)
+        (void)cusolverDnDestroyParams(w.solver_params);
+    if (w.solver)
+        (void)cusolverDnDestroy(w.solver);
     if (w.workspace)
         (void)cudaFreeAsync(w.workspace, w.stream);
     if (w.dot_scratch)
@@ -873,6 +1251,13 @@ int worker_make(int dev, worker_state &w)
     BK(dev, cublasSetWorkspace(w.blas, w.workspace, WORKSPACE_BYTES));
     BK(dev, cublasSetMathMode(w.blas, CUBLAS_PEDANTIC_MATH));
     BK(dev, cublasSetPointerMode(w.blas, CUBLAS_POINTER_MODE_HOST));
+    /* cuSOLVER: the same stream; deterministic results (CUDA.md); its
+     * default math stated, so no FP32 emulation through BF16x9 */
+    SK(dev, cusolverDnCreate(&w.solver));
+    SK(dev, cusolverDnSetStream(w.solver, w.stream));
+    SK(dev, cusolverDnSetDeterministicMode(w.solver, CUSOLVER_DETERMINISTIC_RESULTS));
+    SK(dev, cusolverDnSetMathMode(w.solver, CUSOLVER_DEFAULT_MATH));
+    SK(dev, cusolverDnCreateParams(&w.solver_params));
     return 0;
 }
 
@@ -1665,6 +2050,241 @@ int real_dot(int dtype, const pb_gpu_loop_t *L, const void *a, int conj, const v
     return 0;
 }
 
+/* The reduction kernel just queued (what: its name), then the final one,
+ * and its result into *r: waits for the stream. */
+template <typename J> int fz_result(const char *what, cd *r)
+{
+    int rc = launched(what);
+    if (rc)
+        return rc;
+    cd *part = (cd *)t_w.dot_scratch;
+    k_fz_final<J><<<1, THREADS, 0, t_w.stream>>>(part);
+    if ((rc = launched("fz final kernel launch")))
+        return rc;
+    return real_d2h(r, part + FZ_BLOCKS, sizeof *r);
+}
+
+/* The kinds, each deciding on its second pass as the CPU's helper does. */
+template <typename T> int fz_amax(const pb_gpu_fz_t &k, double out[2])
+{
+    cd *part = (cd *)t_w.dot_scratch, r;
+    k_fz_amax<T><<<FZ_BLOCKS, THREADS, 0, t_w.stream>>>((const T *)k.x, k.m, k.n, k.ld, 0, false, part);
+    int rc = fz_result<j_flag_max>("fz amax kernel launch", &r);
+    if (rc)
+        return rc;
+    bool finite = !std::isnan(r.re);
+    double big = r.re, top = r.im, a = top;
+    if (is_cplx<T> && finite && top != 0) {
+        if (big >= DBL_MIN && big <= DBL_MAX)
+            a = sqrt(big);
+        else {
+            int e;
+            frexp(top, &e);
+            k_fz_amax<T><<<FZ_BLOCKS, THREADS, 0, t_w.stream>>>((const T *)k.x, k.m, k.n, k.ld, e, true, part);
+            if ((rc = fz_result<j_flag_max>("fz amax (scaled) kernel launch", &r)))
+                return rc;
+            a = fmin(ldexp(sqrt(r.re), e), DBL_MAX);
+        }
+    }
+    out[0] = a;
+    out[1] = finite ? 1 : 0;
+    return 0;
+}
+
+template <typename T> int fz_norm(const pb_gpu_fz_t &k, double out[2])
+{
+    cd *part = (cd *)t_w.dot_scratch, r;
+    k_fz_norm<T><<<FZ_BLOCKS, THREADS, 0, t_w.stream>>>((const T *)k.x, k.m, k.n, k.ld, 0, false, part);
+    int rc = fz_result<j_sum_max>("fz norm kernel launch", &r);
+    if (rc)
+        return rc;
+    double s = r.re, top = r.im, norm;
+    if ((s >= DBL_MIN && s <= DBL_MAX) || top == 0 || !std::isfinite(top) || s != s)
+        norm = sqrt(s);
+    else {
+        int e;
+        frexp(top, &e);
+        k_fz_norm<T><<<FZ_BLOCKS, THREADS, 0, t_w.stream>>>((const T *)k.x, k.m, k.n, k.ld, e, true, part);
+        if ((rc = fz_result<j_sum_max>("fz norm (scaled) kernel launch", &r)))
+            return rc;
+        norm = ldexp(sqrt(r.re), e);
+    }
+    out[0] = norm;
+    out[1] = 1;
+    return 0;
+}
+
+template <typename T> int fz_herm_gap(const pb_gpu_fz_t &k, double out[2])
+{
+    cd *part = (cd *)t_w.dot_scratch, r;
+    k_fz_herm_gap<T><<<FZ_BLOCKS, THREADS, 0, t_w.stream>>>((const T *)k.x, k.n, k.ld, false, part);
+    int rc = fz_result<j_max>("fz herm_gap kernel launch", &r);
+    if (rc)
+        return rc;
+    double gap;
+    if ((r.re >= DBL_MIN && r.re <= DBL_MAX) || r.im == 0)
+        gap = sqrt(r.re);
+    else {
+        k_fz_herm_gap<T><<<FZ_BLOCKS, THREADS, 0, t_w.stream>>>((const T *)k.x, k.n, k.ld, true, part);
+        if ((rc = fz_result<j_max>("fz herm_gap (hypot) kernel launch", &r)))
+            return rc;
+        gap = r.re;
+    }
+    out[0] = gap;
+    out[1] = 1;
+    return 0;
+}
+
+template <typename T> int fz_eigh_f(const pb_gpu_fz_t &k, double out[2])
+{
+    cd *part = (cd *)t_w.dot_scratch, r;
+    k_fz_eigh_f<T><<<FZ_BLOCKS, THREADS, 0, t_w.stream>>>((T *)k.x, k.n, k.ld, (const real_t<T> *)k.w,
+                                                          (const real_t<T> *)k.v, k.param, part);
+    int rc = fz_result<j_max>("fz eigh_f kernel launch", &r);
+    if (rc)
+        return rc;
+    out[0] = r.re;
+    out[1] = 1;
+    return 0;
+}
+
+template <typename T> int fz_run(const pb_gpu_fz_t &k, double out[2])
+{
+    size_t n = (size_t)k.n, ld = (size_t)k.ld;
+    switch ((pb_gpu_fz_kind_t)k.kind) {
+    case PB_GPU_FZ_AMAX:
+        return fz_amax<T>(k, out);
+    case PB_GPU_FZ_NORM:
+        return fz_norm<T>(k, out);
+    case PB_GPU_FZ_HERM_GAP:
+        return fz_herm_gap<T>(k, out);
+    case PB_GPU_FZ_HERMITIZE:
+        k_fz_hermitize<T><<<blocks_for(n * n), THREADS, 0, t_w.stream>>>((T *)k.x, n, ld);
+        return launched("fz hermitize kernel launch");
+    case PB_GPU_FZ_ANTIHERM:
+        k_fz_antiherm<T><<<blocks_for(n * n), THREADS, 0, t_w.stream>>>((T *)k.x, n, ld);
+        return launched("fz antiherm kernel launch");
+    case PB_GPU_FZ_PHASES: {
+        unsigned cap = g_dev[t_w.dev].max_blocks, g = n < cap ? (unsigned)n : cap;
+        k_fz_phases<T><<<g, THREADS, 0, t_w.stream>>>((T *)k.x, (size_t)k.m, n, ld);
+        return launched("fz phases kernel launch");
+    }
+    case PB_GPU_FZ_EIGH_F:
+        return fz_eigh_f<T>(k, out);
+    }
+    return internal("fz", "bad kind");
+}
+
+int real_fz(const pb_gpu_fz_t *k, double out[2])
+{
+    int rc = worker_check("fz");
+    if (rc)
+        return rc;
+    if (!k || k->dtype < 0 || k->dtype > 3 || k->kind < PB_GPU_FZ_AMAX || k->kind > PB_GPU_FZ_EIGH_F)
+        return internal("fz", "bad kernel, dtype or kind");
+    bool reduces = k->kind <= PB_GPU_FZ_HERM_GAP || k->kind == PB_GPU_FZ_EIGH_F;
+    bool square = k->kind >= PB_GPU_FZ_HERM_GAP && k->kind != PB_GPU_FZ_PHASES;
+    if (k->m < 0 || k->n < 0 || k->ld < (k->m > 1 ? k->m : 1) || (square && k->m != k->n))
+        return internal("fz", "bad sizes (ld < max(1, m), or a square kind given m != n)");
+    if (reduces && !out)
+        return internal("fz", "a reducing kind without out");
+    if (k->kind != PB_GPU_FZ_EIGH_F && (k->w || k->v))
+        return internal("fz", "only eigh_f takes w and v");
+    if (k->m == 0 || k->n == 0) { /* nothing to touch or wait for, as the fake */
+        if (reduces) {
+            out[0] = 0;
+            out[1] = 1;
+        }
+        return 0;
+    }
+    if (!k->x)
+        return internal("fz", "no matrix");
+    switch (k->dtype) {
+    case 0: return fz_run<float>(*k, out);
+    case 1: return fz_run<double>(*k, out);
+    case 2: return fz_run<cf>(*k, out);
+    default: return fz_run<cd>(*k, out);
+    }
+}
+
+/* ---- syevd: cusolverDnXsyevd ----
+ *
+ * The device workspace comes from the device's pool on the worker's
+ * stream, as the worker's own scratch does (not counted in used()), and is
+ * freed in stream order after the solve; the host workspace, when the
+ * query asks for one, from malloc.  info lives in the worker's scratch
+ * (dot's, in stream order) and is copied back through staging, which
+ * waits for the stream. */
+const cudaDataType SYEVD_A[4] = {CUDA_R_32F, CUDA_R_64F, CUDA_C_32F, CUDA_C_64F};
+const cudaDataType SYEVD_W[4] = {CUDA_R_32F, CUDA_R_64F, CUDA_R_32F, CUDA_R_64F};
+
+/* The solve, its workspaces given; *hinfo the solver's info. */
+int syevd_solve(int dtype, cusolverEigMode_t job, int n, void *a, int lda, void *w, void *dwork, size_t dbytes,
+                void *hwork, size_t hbytes, int *hinfo)
+{
+    int *dinfo = (int *)t_w.dot_scratch;
+    SK(t_w.dev, cusolverDnXsyevd(t_w.solver, t_w.solver_params, job, CUBLAS_FILL_MODE_LOWER, n, SYEVD_A[dtype], a,
+                                 lda, SYEVD_W[dtype], w, SYEVD_A[dtype], dwork, dbytes, hwork, hbytes, dinfo));
+    return real_d2h(hinfo, dinfo, sizeof *hinfo);
+}
+
+/* The later of two failures wins when it is the device's. */
+int worse(int rc, int rc2)
+{
+    return rc == 0 || rc2 == PB_EDEVICE_UNAVAILABLE ? rc2 : rc;
+}
+
+int real_syevd(int dtype, int vectors, int n, void *a, int lda, void *w, int *info)
+{
+    int rc = worker_check("syevd");
+    if (rc)
+        return rc;
+    if (dtype < 0 || dtype > 3 || !info || n < 0 || lda < (n > 1 ? n : 1))
+        return internal("syevd", "bad dtype, sizes (lda < max(1, n)) or info");
+    if (n == 0) { /* nothing to solve or wait for */
+        *info = 0;
+        return 0;
+    }
+    if (!a || !w)
+        return internal("syevd", "no matrix or eigenvalues");
+    int dev = t_w.dev;
+    cusolverEigMode_t job = vectors ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR;
+    size_t dbytes = 0, hbytes = 0;
+    SK(dev, cusolverDnXsyevd_bufferSize(t_w.solver, t_w.solver_params, job, CUBLAS_FILL_MODE_LOWER, n,
+                                        SYEVD_A[dtype], a, lda, SYEVD_W[dtype], w, SYEVD_A[dtype], &dbytes,
+                                        &hbytes));
+    void *dwork = nullptr, *hwork = nullptr;
+    if (dbytes && (rc = pool_alloc(dev, g_dev[dev], dbytes, &dwork, t_w.stream)))
+        return rc;
+    int hinfo = 0;
+    if (hbytes && !(hwork = malloc(hbytes)))
+        rc = internal("syevd", "out of host memory for cuSOLVER's host workspace");
+    else
+        rc = syevd_solve(dtype, job, n, a, lda, w, dwork, dbytes, hwork, hbytes, &hinfo);
+    if (rc && hwork && !g_dev[dev].failed.load()) {
+        /* the solver may have queued work before it failed: it finishes
+         * before its host workspace goes */
+        cudaError_t e = cudaStreamSynchronize(t_w.stream);
+        if (e != cudaSuccess)
+            rc = worse(rc, cuda_fail(dev, e, "cudaStreamSynchronize (syevd failed)"));
+    }
+    free(hwork);
+    if (dwork && !g_dev[dev].failed.load()) { /* a failed device leaks it: see the top */
+        cudaError_t e = cudaFreeAsync(dwork, t_w.stream);
+        if (e != cudaSuccess)
+            rc = worse(rc, cuda_fail(dev, e, "cudaFreeAsync (syevd workspace)"));
+    }
+    if (rc)
+        return rc;
+    if (hinfo < 0) {
+        char why[64];
+        snprintf(why, sizeof why, "cusolverDnXsyevd rejected argument %d", -hinfo);
+        return internal("syevd", why);
+    }
+    *info = hinfo;
+    return 0;
+}
+
 const char *real_last_error(void)
 {
     return t_err;
@@ -1693,13 +2313,16 @@ const pb_gpu_backend_t real_backend = {
     .row_sum = real_row_sum,
     .strided = real_strided,
     .dot = real_dot,
+    .fz = real_fz,
+    .syevd = real_syevd,
     .last_error = real_last_error,
 };
 
 } /* namespace */
 
-/* The module's one entry point, found by cuda/gpu.c with dlsym. */
-extern "C" __attribute__((visibility("default"))) const pb_gpu_backend_t *pb__gpu_real_backend(void)
+/* The module's one entry point, found by cuda/gpu.c with dlsym: its name
+ * is the version of the table that gpu.h declares (PB_GPU_MODULE_FN). */
+extern "C" __attribute__((visibility("default"))) const pb_gpu_backend_t *PB_GPU_MODULE_FN(void)
 {
     return &real_backend;
 }

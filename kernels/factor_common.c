@@ -138,25 +138,71 @@ void pb__fz_sized(pb_call_t *c, size_t tape, bool square)
 
 bool pb__fz_finite(const void *x, size_t n, pb_dtype_t d)
 {
-    /* x − x is 0 for every finite x; a complex value as its two parts */
-    n *= pb_dtype_is_complex(d) ? 2 : 1;
-    if (single(d)) {
-        const float *f = x;
-        float bad = 0;
-        for (size_t i = 0; i < n; i++)
-            bad += f[i] - f[i];
-        return bad == 0;
-    }
-    const double *v = x;
-    double bad = 0;
-    for (size_t i = 0; i < n; i++)
-        bad += v[i] - v[i];
-    return bad == 0;
+    double o[2];
+    pb__fz_kernel(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_AMAX, .dtype = d, .m = (int)n, .n = 1, .ld = (int)n, .x = (void *)x},
+                  o);
+    return o[1] != 0;
 }
 
 bool pb__fz_all_finite(const pb_tensor_t *t)
 {
     return t->storage == NULL || pb__fz_finite(pb_tensor_data(t), pb_tensor_count(t), t->dtype);
+}
+
+/* ---- on the execution device --------------------------------------------------- */
+
+void *pb__fz_zalloc(size_t n, size_t size)
+{
+    if (n == 0)
+        n = 1;
+    if (pb_exec_gpu() < 0)
+        return pb_mem_calloc(n, size);
+    if (n > SIZE_MAX / size)
+        return NULL;
+    void *p = pb_exec_alloc(n * size);
+    if (p)
+        pb__exec_zero(p, n * size);
+    return p;
+}
+
+void pb__fz_free(void *p)
+{
+    if (p && pb_exec_gpu() >= 0)
+        pb_exec_free(p);
+    else
+        pb_mem_free(p);
+}
+
+void pb__fz_move(pb_dtype_t d, void *dst, const void *src, size_t count)
+{
+    if (count == 0 || dst == src)
+        return;
+    if (pb_exec_gpu() < 0) {
+        memcpy(dst, src, count * pb_dtype_size(d));
+        return;
+    }
+    pb_loop_t L = {.rank = 1, .dim = {count}, .s = {{1}, {1}}};
+    pb_strided(d, &L, dst, src, false, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, false);
+}
+
+void pb__fz_kernel_host(const pb_gpu_fz_t *k, double out[2])
+{
+    static void (*const host[PB_NDTYPES])(const pb_gpu_fz_t *, double[2]) = PB_T_FNS(pb__fz_kernel_host);
+    host[k->dtype](k, out);
+}
+
+double pb__fz_kernel(const pb_gpu_fz_t *k, double out[2])
+{
+    double o[2] = {0, 1};
+    if (k->m > 0 && k->n > 0) {
+        if (pb_exec_gpu() >= 0)
+            pb__exec_fz(k, o);
+        else
+            pb__fz_kernel_host(k, o);
+    }
+    if (out)
+        memcpy(out, o, sizeof o);
+    return o[0];
 }
 
 /* LAPACKE checks every array it is given for NaN and refuses it as an
@@ -227,7 +273,7 @@ int pb__fz_rev_finish(const pb_tapedata_t *t, int rc, void *dA, double gauge, co
         uint64_t sh[2] = {t->in_meta[0].shape[0], t->in_meta[0].shape[1]};
         rc = PB_ENOMEM;
         if (pb_tensor_alloc(&g, t->dtype, 2, sh, 'F', false) == 0) {
-            memcpy(pb_tensor_data(&g), dA, pb_tensor_bytes(&g));
+            pb__fz_move(t->dtype, pb_tensor_data(&g), dA, pb_tensor_count(&g));
             if (order == 'C') {
                 rc = pb_tensor_to_order(&grad[0], &g, 'C');
                 pb_tensor_clear(&g);
@@ -237,7 +283,7 @@ int pb__fz_rev_finish(const pb_tapedata_t *t, int rc, void *dA, double gauge, co
             }
         }
     }
-    pb_mem_free(dA);
+    pb__fz_free(dA);
     if (rc == PB_ENOMEM)
         return pb_err_set(err, PB_ENOMEM, NULL, "out of memory in the reverse of %s", t->op->name);
     return rc;
@@ -254,16 +300,19 @@ int pb__fz_take(pb_tensor_t *dst, const pb_tensor_t *X, const int *sel, int r, b
         return PB_ENOMEM;
     const char *src = pb_tensor_data(X);
     char *d = pb_tensor_data(dst);
-    if (X->rank == 1)
-        for (int i = 0; i < r; i++)
-            memcpy(d + (size_t)i * isz, src + (size_t)sel[i] * isz, isz);
-    else if (!rows)
-        for (int j = 0; j < r; j++)
-            memcpy(d + (size_t)j * m * isz, src + (size_t)sel[j] * m * isz, (size_t)m * isz);
-    else
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < r; i++)
-                memcpy(d + ((size_t)j * r + i) * isz, src + ((size_t)j * m + sel[i]) * isz, isz);
+    const pb_dtype_t dt = X->dtype;
+    /* a run of consecutive indices in sel is one move */
+    for (int i = 0, e; i < r; i = e) {
+        for (e = i + 1; e < r && sel[e] == sel[e - 1] + 1;)
+            e++;
+        if (X->rank == 1)
+            pb__fz_move(dt, d + (size_t)i * isz, src + (size_t)sel[i] * isz, (size_t)(e - i));
+        else if (!rows)
+            pb__fz_move(dt, d + (size_t)i * m * isz, src + (size_t)sel[i] * m * isz, (size_t)(e - i) * m);
+        else
+            for (int j = 0; j < n; j++)
+                pb__fz_move(dt, d + ((size_t)j * r + i) * isz, src + ((size_t)j * m + sel[i]) * isz, (size_t)(e - i));
+    }
     return 0;
 }
 

@@ -58,6 +58,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../cuda/exec.h"
+#include "../cuda/gpu.h"
 #include "blas.h"
 #include "dtype_t.h"
 #include "op.h"
@@ -97,6 +99,24 @@ void pb__fz_resolve(const pb_op_t *op, const pb_optval_t *opt, double amax, pb_d
  * all_finite: the same for a tensor (true for an absent one). */
 bool pb__fz_finite(const void *x, size_t n, pb_dtype_t d);
 bool pb__fz_all_finite(const pb_tensor_t *t);
+
+/* Where a family runs on a GPU (cuda/exec.h: the thread's execution
+ * device), its work arrays, copies and matrix passes are on that device.
+ * zalloc: n zeroed elements of size bytes (never 0 bytes; with
+ * mem.h's tail slack on the CPU); free: what zalloc gave (NULL is
+ * nothing); move: count elements of dtype d from src to dst. */
+void *pb__fz_zalloc(size_t n, size_t size);
+void pb__fz_free(void *p);
+void pb__fz_move(pb_dtype_t d, void *dst, const void *src, size_t count);
+/* One matrix kernel (cuda/gpu.h's pb_gpu_fz_t: what each kind does) on the
+ * execution device, for k->dtype: nothing for a zero-size matrix.
+ * Returns out[0] (out may be NULL), which for a reducing kind is its
+ * result: out[0] = 0 and out[1] = 1 when nothing ran. */
+double pb__fz_kernel(const pb_gpu_fz_t *k, double out[2]);
+/* The same on the host whatever the thread: what the fake GPU runs. */
+void pb__fz_kernel_host(const pb_gpu_fz_t *k, double out[2]);
+/* In a family body: a kernel of the body's dtype. */
+#define FZ_KERNEL(out, ...) pb__fz_kernel(&(pb_gpu_fz_t){.dtype = DT, __VA_ARGS__}, out)
 
 /* Once per process, before LAPACK runs: LAPACKE's NaN check off (why:
  * factor_common.c). */
@@ -155,7 +175,7 @@ typedef int fz_fd_fn(const pb_call_t *c, pb_tensor_t *cot);
         return fns[c->dtype](c, cot);                                                                                 \
     }
 
-/* A row of a family's table: one op on the matrix A, CPU only.  A small
+/* A row of a family's table: one op on the matrix A, on the CPU.  A small
  * finite-difference step (1e-6): eigen- and singular vectors vary like
  * 1/gap, and the Householder completions jump where LAPACK's reflector
  * changes sign, so the check's four evaluations stay within 2e-6·max|A|
@@ -163,11 +183,16 @@ typedef int fz_fd_fn(const pb_call_t *c, pb_tensor_t *cot);
 extern const pb_io_spec_t pb__fz_in_A[1];
 extern const char *const pb__fz_wrt_A[1];
 #define FZ_ROW(nm, var, outs, opts, nopts, val, fwd, rev, fdc, fdd)                                                        \
+    FZ_ROW_ON(nm, var, outs, opts, nopts, val, fwd, rev, fdc, fdd, 1u << PB_DEV_CPU, NULL, NULL)
+/* The same on the CPU and the GPUs: a family whose body runs on a GPU's
+ * execution device (cuda/exec.h) gives pb_gpu_shared_forward/_reverse. */
+#define FZ_ROW_ON(nm, var, outs, opts, nopts, val, fwd, rev, fdc, fdd, devs, gfwd, grev)                                \
     {                                                                                                                 \
         .name = nm, .variant = var, .inputs = pb__fz_in_A, .ninputs = 1, .outputs = outs, .noutputs = NELEM(outs),    \
         .options = opts, .noptions = nopts, .wrt_names = pb__fz_wrt_A, .nwrt = 1, .dtypes = PB_DTYPES_ALL,            \
-        .devices = 1u << PB_DEV_CPU, .validate = val, .forward = {[PB_DEV_CPU] = fwd},                                \
-        .reverse = {[PB_DEV_CPU] = rev}, .fd_step = 1e-6, .fd_cotangents = fdc, .fd_direction = fdd,                \
+        .devices = devs, .validate = val, .forward = {[PB_DEV_CPU] = fwd, [PB_DEV_CUDA] = gfwd},                      \
+        .reverse = {[PB_DEV_CPU] = rev, [PB_DEV_CUDA] = grev}, .fd_step = 1e-6, .fd_cotangents = fdc,                 \
+        .fd_direction = fdd,                                                                                          \
     }
 /* The options rows take. */
 #define FZ_AUTO(nm) {.name = nm, .type = PB_OPT_FLOAT, .def_auto = true}

@@ -5,7 +5,8 @@
 
 /* Zeroed work arrays of n elements (never 0 bytes, so never NULL for a
  * zero-size matrix), with the tail slack LAPACK's over-reads need
- * (mem.h); freed with pb_mem_free(). */
+ * (mem.h); freed with pb__fz_free() (on the execution device: device
+ * memory, factor_common.h). */
 T *FZ(zalloc)(size_t n);
 RT *FZ(ralloc)(size_t n);
 /* The m×n matrix src (leading dimension lds) into dst (ldd); nothing when
@@ -29,6 +30,9 @@ int FZ(pad_here)(T *A, int m, int n);
 /* c = alpha·op(a)·op(b) + beta·c, op 'N', 'T' or 'C'. */
 void FZ(gemm)(char ta, char tb, int m, int n, int k, T alpha, const T *a, int lda, const T *b, int ldb, T beta, T *c,
               int ldc);
+/* The matrix kernel k (cuda/gpu.h) on the host: what the CPU runs, and
+ * the fake GPU on its device memory (pb__fz_kernel picks). */
+void FZ(kernel_host)(const pb_gpu_fz_t *k, double out[2]);
 /* Y (n×m) = Xᴴ for X m×n. */
 void FZ(adjoint)(const T *X, int m, int n, T *Y);
 /* The largest |entry| of the r×c block at (i0, j0) of M (ld). */

@@ -4,12 +4,12 @@
 
 T *FZ(zalloc)(size_t n)
 {
-    return pb_mem_calloc(n ? n : 1, sizeof(T));
+    return pb__fz_zalloc(n, sizeof(T));
 }
 
 RT *FZ(ralloc)(size_t n)
 {
-    return pb_mem_calloc(n ? n : 1, sizeof(RT));
+    return pb__fz_zalloc(n, sizeof(RT));
 }
 
 int FZ(lapack_ld)(int m)
@@ -23,8 +23,13 @@ int FZ(lapack_ld)(int m)
 
 void FZ(copy)(T *dst, int ldd, const T *src, int lds, int m, int n)
 {
-    if (dst == src)
+    if (dst == src || m <= 0 || n <= 0)
         return;
+    if (pb_exec_gpu() >= 0) { /* device memory: one strided pass */
+        pb_loop_t L = {.rank = 2, .dim = {(uint64_t)m, (uint64_t)n}, .s = {{1, ldd}, {1, lds}}};
+        pb_strided(DT, &L, dst, src, false, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, false);
+        return;
+    }
     for (int j = 0; j < n; j++)
         memcpy(dst + (size_t)j * (size_t)ldd, src + (size_t)j * (size_t)lds, (size_t)m * sizeof(T));
 }
@@ -95,12 +100,7 @@ double FZ(maxantiherm)(const T *X, int n)
 
 void FZ(antiherm)(T *X, int n)
 {
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i <= j; i++) {
-            T a = E(X, n, i, j), b = E(X, n, j, i);
-            E(X, n, i, j) = (T)((a - CONJ(b)) * 0.5);
-            E(X, n, j, i) = (T)((b - CONJ(a)) * 0.5);
-        }
+    FZ_KERNEL(NULL, .kind = PB_GPU_FZ_ANTIHERM, .m = n, .n = n, .ld = n, .x = X);
 }
 
 /* A C-ordered matrix goes through the cache-blocked permutation pass. */
@@ -111,7 +111,7 @@ void FZ(load)(const pb_tensor_t *t, T *dst, int m, int n)
         pb_loop_t L = {.rank = 2, .dim = {(uint64_t)m, (uint64_t)n}, .s = {{1, m}, {n, 1}}};
         pb_strided(DT, &L, dst, src, false, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, false);
     } else
-        memcpy(dst, src, (size_t)m * (size_t)n * sizeof(T));
+        FZ(copy)(dst, m, src, m, m, n);
 }
 
 /* max|A_i| over n entries, in one pass that also notices NaN and Inf
@@ -119,15 +119,17 @@ void FZ(load)(const pb_tensor_t *t, T *dst, int m, int n)
  * A complex modulus is taken from the squares where they neither overflow
  * (|A_i| above 2^511) nor lose bits below DBL_MIN, else again with every
  * entry scaled by a power of two first. */
-static double FN(amax)(const T *A, size_t n, bool *finite)
+static double FN(amax_host)(const T *A, int ld, int m, int n, bool *finite)
 {
     double big = 0, top = 0, bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        double re = RE(A[i]), im = IM(A[i]), a = re * re + im * im, t = fmax(fabs(re), fabs(im));
-        big = a > big ? a : big;
-        top = t > top ? t : top;
-        bad += (re - re) + (im - im);
-    }
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            T x = E(A, ld, i, j);
+            double re = RE(x), im = IM(x), a = re * re + im * im, t = fmax(fabs(re), fabs(im));
+            big = a > big ? a : big;
+            top = t > top ? t : top;
+            bad += (re - re) + (im - im);
+        }
     *finite = bad == 0;
     if (!CPLX || !*finite || top == 0)
         return top;
@@ -136,11 +138,158 @@ static double FN(amax)(const T *A, size_t n, bool *finite)
     int e;
     frexp(top, &e);
     big = 0;
-    for (size_t i = 0; i < n; i++) {
-        double re = ldexp(RE(A[i]), -e), im = ldexp(IM(A[i]), -e), a = re * re + im * im;
-        big = a > big ? a : big;
-    }
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            T x = E(A, ld, i, j);
+            double re = ldexp(RE(x), -e), im = ldexp(IM(x), -e), a = re * re + im * im;
+            big = a > big ? a : big;
+        }
     return fmin(ldexp(sqrt(big), e), DBL_MAX);
+}
+
+/* The Frobenius norm of the m×n M (ld), from the squares of its real
+ * parts in double: only a sum that overflows or leaves the normal range is
+ * summed again, scaled by a power of two (no hypot per entry). */
+static double FN(norm_host)(const T *M, int ld, int m, int n)
+{
+    double s = 0, top = 0;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            T x = E(M, ld, i, j);
+            s += RE(x) * RE(x) + IM(x) * IM(x);
+            top = fmax(top, fmax(fabs(RE(x)), fabs(IM(x))));
+        }
+    if ((s >= DBL_MIN && s <= DBL_MAX) || top == 0 || !isfinite(top) || s != s)
+        return sqrt(s);
+    int e;
+    frexp(top, &e);
+    s = 0;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            T x = E(M, ld, i, j);
+            double re = ldexp(RE(x), -e), im = ldexp(IM(x), -e);
+            s += re * re + im * im;
+        }
+    return ldexp(sqrt(s), e);
+}
+
+/* max over i <= j of |A_ij − conj(A_ji)| (A n×n), from the squares unless
+ * they leave double's normal range. */
+static double FN(herm_gap_host)(const T *A, int ld, int n)
+{
+    double worst = 0, top = 0;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i <= j; i++) {
+            T d = E(A, ld, i, j) - CONJ(E(A, ld, j, i));
+            double a = RE(d) * RE(d) + IM(d) * IM(d), t = fmax(fabs(RE(d)), fabs(IM(d)));
+            worst = a > worst ? a : worst;
+            top = t > top ? t : top;
+        }
+    if ((worst >= DBL_MIN && worst <= DBL_MAX) || top == 0)
+        return sqrt(worst);
+    worst = 0;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i <= j; i++) {
+            T d = E(A, ld, i, j) - CONJ(E(A, ld, j, i));
+            worst = fmax(worst, hypot(RE(d), IM(d)));
+        }
+    return worst;
+}
+
+static void FN(fix_phases_host)(T *V, int ld, int m, int c, T *ph)
+{
+    for (int j = 0; j < c; j++) {
+        int best = 0;
+        double big = -1;
+        for (int i = 0; i < m; i++) { /* squared magnitudes: no hypot per entry */
+            T v = E(V, ld, i, j);
+            double a = RE(v) * RE(v) + IM(v) * IM(v);
+            if (a > big) {
+                big = a;
+                best = i;
+            }
+        }
+        big = sqrt(big);
+        T p = 1;
+        if (m > 0 && big > 0)
+            p = (T)(CONJ(E(V, ld, best, j)) / big);
+        for (int i = 0; i < m; i++)
+            E(V, ld, i, j) *= p;
+        if (m > 0)
+            E(V, ld, best, j) = (T)ABS(E(V, ld, best, j)); /* exactly real */
+        if (ph)
+            ph[j] = CONJ(p);
+    }
+}
+
+/* eigh's F-matrix on K (n×n): K_ij/(D_j − D_i), 0 inside a degenerate
+ * block (|D_j − D_i| < deg) and on the diagonal (none of it without D),
+ * which then gets dD when given; returns the largest |K_ij| zeroed (the
+ * gauge part). */
+static double FN(eigh_f_host)(T *K, int ld, int n, const RT *D, const RT *dD, double deg)
+{
+    double g = 0;
+    for (int j = 0; j < n && D; j++)
+        for (int i = 0; i < n; i++) {
+            double gap = (double)D[j] - (double)D[i];
+            if (fabs(gap) < deg || i == j) {
+                g = fmax(g, ABS(E(K, ld, i, j)));
+                E(K, ld, i, j) = 0;
+            } else
+                E(K, ld, i, j) = (T)(E(K, ld, i, j) / gap);
+        }
+    if (dD)
+        for (int i = 0; i < n; i++)
+            E(K, ld, i, i) += dD[i];
+    return g;
+}
+
+void FZ(kernel_host)(const pb_gpu_fz_t *k, double out[2])
+{
+    T *x = k->x;
+    const int m = k->m, n = k->n, ld = k->ld;
+    bool finite = true;
+    switch ((pb_gpu_fz_kind_t)k->kind) {
+    case PB_GPU_FZ_AMAX:
+        out[0] = FN(amax_host)(x, ld, m, n, &finite);
+        out[1] = finite;
+        break;
+    case PB_GPU_FZ_NORM:
+        out[0] = FN(norm_host)(x, ld, m, n);
+        break;
+    case PB_GPU_FZ_HERM_GAP:
+        out[0] = FN(herm_gap_host)(x, ld, n);
+        break;
+    case PB_GPU_FZ_HERMITIZE:
+        for (int j = 0; j < n; j++) {
+            E(x, ld, j, j) = (T)RE(E(x, ld, j, j));
+            for (int i = j + 1; i < n; i++) /* the lower triangle is what LAPACK reads */
+                E(x, ld, i, j) = (T)((E(x, ld, i, j) + CONJ(E(x, ld, j, i))) * 0.5);
+        }
+        break;
+    case PB_GPU_FZ_ANTIHERM:
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i <= j; i++) {
+                T a = E(x, ld, i, j), b = E(x, ld, j, i);
+                E(x, ld, i, j) = (T)((a - CONJ(b)) * 0.5);
+                E(x, ld, j, i) = (T)((b - CONJ(a)) * 0.5);
+            }
+        break;
+    case PB_GPU_FZ_PHASES:
+        FN(fix_phases_host)(x, ld, m, n, NULL);
+        break;
+    case PB_GPU_FZ_EIGH_F:
+        out[0] = FN(eigh_f_host)(x, ld, n, k->w, k->v, k->param);
+        break;
+    }
+}
+
+static double FN(amax)(const T *A, size_t n, bool *finite)
+{
+    double o[2];
+    FZ_KERNEL(o, .kind = PB_GPU_FZ_AMAX, .m = (int)n, .n = 1, .ld = (int)n, .x = (T *)A);
+    *finite = o[1] != 0;
+    return o[0];
 }
 
 int FZ(pow2_normalise)(T *M, int ld, int m, int n)
@@ -184,7 +333,7 @@ int FZ(load_cot_r)(const pb_tensor_t *t, int n, RT **out)
         return 0;
     if ((*out = FZ(ralloc)((size_t)n)) == NULL)
         return PB_ENOMEM;
-    memcpy(*out, pb_tensor_data(t), (size_t)n * sizeof(RT));
+    pb__fz_move(RDT, *out, pb_tensor_data(t), (size_t)n);
     return 0;
 }
 
@@ -204,35 +353,18 @@ RT *FZ(newvec_r)(pb_tensor_t *t, int n)
 
 void FZ(fix_phases)(T *V, int m, int c, T *ph)
 {
-    for (int j = 0; j < c; j++) {
-        int best = 0;
-        double big = -1;
-        for (int i = 0; i < m; i++) { /* squared magnitudes: no hypot per entry */
-            T v = E(V, m, i, j);
-            double a = RE(v) * RE(v) + IM(v) * IM(v);
-            if (a > big) {
-                big = a;
-                best = i;
-            }
-        }
-        big = sqrt(big);
-        T p = 1;
-        if (m > 0 && big > 0)
-            p = (T)(CONJ(E(V, m, best, j)) / big);
-        for (int i = 0; i < m; i++)
-            E(V, m, i, j) *= p;
-        if (m > 0)
-            E(V, m, best, j) = (T)ABS(E(V, m, best, j)); /* exactly real */
-        if (ph)
-            ph[j] = CONJ(p);
-    }
+    if (ph) /* the phases kept: host memory only, so far */
+        FN(fix_phases_host)(V, m, m, c, ph);
+    else
+        FZ_KERNEL(NULL, .kind = PB_GPU_FZ_PHASES, .m = m, .n = c, .ld = m, .x = V);
 }
 
 int FZ(lapack_fail)(const char *what, lapack_int info, pb_err_t *err)
 {
+    const char *lib = pb_exec_gpu() >= 0 ? "cuSOLVER" : "LAPACK"; /* the solver that ran (cuda/exec.h) */
     if (info < 0)
-        return pb_err_set(err, PB_EINTERNAL, NULL, "LAPACK %c%s rejected argument %d", LP_CHAR, what, (int)-info);
-    int rc = pb_err_set(err, PB_ENUMERICAL, "inputs.A", "LAPACK %c%s did not converge (info %d)", LP_CHAR, what,
+        return pb_err_set(err, PB_EINTERNAL, NULL, "%s %c%s rejected argument %d", lib, LP_CHAR, what, (int)-info);
+    int rc = pb_err_set(err, PB_ENUMERICAL, "inputs.A", "%s %c%s did not converge (info %d)", lib, LP_CHAR, what,
                         (int)info);
     err->info = info;
     err->has_info = 1;
@@ -253,7 +385,7 @@ static int FN(input)(const pb_call_t *c, pb_tapedata_t *tape, T **A, fz_opts_t *
     bool finite;
     double amax = FN(amax)(a, (size_t)m * n, &finite);
     if (!finite) {
-        pb_mem_free(a);
+        pb__fz_free(a);
         return pb_err_set(err, PB_ENUMERICAL, "inputs.A", "A has NaN or Inf entries: %s refuses them", c->op->name);
     }
     /* The pullbacks add and subtract singular values and eigenvalues, up
@@ -263,7 +395,7 @@ static int FN(input)(const pb_call_t *c, pb_tapedata_t *tape, T **A, fz_opts_t *
      * reverse would run, with an eighth of the range to spare. */
     double top = DT == PB_F32 || DT == PB_C64 ? FLT_MAX : DBL_MAX;
     if (tape && amax > top / (8.0 * sqrt((double)m * (double)n + 1.0))) {
-        pb_mem_free(a);
+        pb__fz_free(a);
         return pb_err_set(err, PB_ENUMERICAL, "inputs.A",
                           "%s: max|A_ij| = %.3g is too near the dtype's largest number for the reverse, whose "
                           "intermediate sums reach about √(m·n)·max|A_ij|; scale A down (the factors scale with it)",
@@ -281,27 +413,10 @@ static double FN(tnorm)(const pb_tensor_t *t)
 {
     if (t->storage == NULL || (t->dtype != RDT && t->dtype != CDT))
         return 0;
-    /* a complex tensor as its 2n real parts: |z|² = re² + im² without
-     * cabs's overflow-safe (and slow) hypot; only a sum of squares that
-     * overflows or leaves the normal range is summed again, scaled by a
-     * power of two */
-    const RT *x = pb_tensor_data(t);
-    size_t nr = (t->dtype == CDT ? 2 : 1) * pb_tensor_count(t);
-    double s = 0, top = 0;
-    for (size_t i = 0; i < nr; i++) {
-        s += (double)x[i] * (double)x[i];
-        top = fmax(top, fabs((double)x[i]));
-    }
-    if ((s >= DBL_MIN && s <= DBL_MAX) || top == 0 || !isfinite(top) || s != s)
-        return sqrt(s);
-    int e;
-    frexp(top, &e);
-    s = 0;
-    for (size_t i = 0; i < nr; i++) {
-        double y = ldexp((double)x[i], -e);
-        s += y * y;
-    }
-    return ldexp(sqrt(s), e);
+    int n = (int)pb_tensor_count(t);
+    return pb__fz_kernel(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_NORM, .dtype = t->dtype, .m = n, .n = 1, .ld = n,
+                                         .x = (void *)pb_tensor_data(t)},
+                         NULL);
 }
 
 /* The reverse's start: the options as the forward resolved them, the
@@ -330,7 +445,7 @@ int FZ(forward)(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err, FZ(factor_fn) 
     if (rc)
         return rc;
     rc = factor(c, A, &op, o, sv, err);
-    pb_mem_free(A);
+    pb__fz_free(A);
     return pb__fz_finish(c, tape, o, sv, rc, err);
 }
 
@@ -367,7 +482,7 @@ int FZ(fd_opts)(const pb_call_t *c, fz_opts_t *op)
     bool finite;
     FZ(load)(&c->in[0], A, m, n);
     double amax = FN(amax)(A, (size_t)m * n, &finite);
-    pb_mem_free(A);
+    pb__fz_free(A);
     pb__fz_resolve(c->op, c->opt, amax, DT, k, op);
     return 0;
 }

@@ -1,6 +1,7 @@
 /* The eigh family: eigh_{full,vals,trunc} of a Hermitian A (factor_eigh_t.h
  * holds the math for one dtype). */
 #include "factor_common.h"
+#include "../cuda/gpu_ops.h"
 
 #define PB_T_BODY "factor_eigh_t.h"
 #include "dtype_t.h"
@@ -44,8 +45,10 @@ static const pb_opt_spec_t o_eigh_trunc[] = {FZ_AUTO("herm_atol"), FZ_AUTO("dege
                                              FZ_STRICT, FZ_TRUNC_OPTS};
 static const char *const out_DV[] = {"D", "V"}, *const out_D[] = {"D"};
 
+/* On the GPUs too: the body runs there unchanged (factor_common.h). */
 #define EIGH_ROW(nm, var, outs, opts, fd)                                                                              \
-    FZ_ROW(nm, var, outs, opts, NELEM(opts), eigh_validate, eigh_forward, eigh_reverse, fd, eigh_direction)
+    FZ_ROW_ON(nm, var, outs, opts, NELEM(opts), eigh_validate, eigh_forward, eigh_reverse, fd, eigh_direction,       \
+              (1u << PB_DEV_CPU) | (1u << PB_DEV_CUDA), pb_gpu_shared_forward, pb_gpu_shared_reverse)
 const pb_op_t pb_fz_eigh_ops[] = {
     EIGH_ROW("eigh_full", FZ_FULL, out_DV, o_eigh, eigh_fd),
     EIGH_ROW("eigh_vals", FZ_VALS, out_D, o_eigh_vals, NULL),

@@ -16,33 +16,17 @@
  * fixed, else by syevd's work (the values alone: a third of the work). */
 static int FN(eigh_factor)(T *A, int m, RT *D, double herm_atol, bool vectors, pb_err_t *err)
 {
-    double worst = 0, top = 0;
-    for (int j = 0; j < m; j++)
-        for (int i = 0; i <= j; i++) {
-            T d = E(A, m, i, j) - CONJ(E(A, m, j, i));
-            double a = RE(d) * RE(d) + IM(d) * IM(d), t = fmax(fabs(RE(d)), fabs(IM(d)));
-            worst = a > worst ? a : worst;
-            top = t > top ? t : top;
-        }
-    if ((worst < DBL_MIN || worst > DBL_MAX) && top > 0) { /* the squares left double's normal range */
-        worst = 0;
-        for (int j = 0; j < m; j++)
-            for (int i = 0; i <= j; i++) {
-                T d = E(A, m, i, j) - CONJ(E(A, m, j, i));
-                worst = fmax(worst, hypot(RE(d), IM(d)));
-            }
-    } else
-        worst = sqrt(worst);
+    double worst = FZ_KERNEL(NULL, .kind = PB_GPU_FZ_HERM_GAP, .m = m, .n = m, .ld = m, .x = A);
     if (worst > herm_atol)
         return pb_err_set(err, PB_EINVALID_ARGUMENT, "inputs.A",
                           "A is not Hermitian: |A - Aᴴ| reaches %.3g, more than herm_atol %.3g", worst, herm_atol);
-    for (int j = 0; j < m; j++) {
-        E(A, m, j, j) = (T)RE(E(A, m, j, j));
-        for (int i = j + 1; i < m; i++) /* the lower triangle is what LAPACK reads */
-            E(A, m, i, j) = (T)((E(A, m, i, j) + CONJ(E(A, m, j, i))) * 0.5);
-    }
-    lapack_int info;
-    if (m > 0 && (info = SYEVD(LAPACK_COL_MAJOR, vectors ? 'V' : 'N', 'L', m, A, LD(m), D)))
+    FZ_KERNEL(NULL, .kind = PB_GPU_FZ_HERMITIZE, .m = m, .n = m, .ld = m, .x = A);
+    lapack_int info = 0;
+    if (m > 0 && pb_exec_gpu() >= 0) /* on a GPU (cuda/exec.h): its solver */
+        info = pb__exec_syevd(DT, vectors, m, A, m, D);
+    else if (m > 0)
+        info = SYEVD(LAPACK_COL_MAJOR, vectors ? 'V' : 'N', 'L', m, A, LD(m), D);
+    if (info)
         return FZ(lapack_fail)(CPLX ? "heevd" : "syevd", info, err);
     if (vectors)
         FZ(fix_phases)(A, m, m, NULL);
@@ -59,8 +43,8 @@ static int FN(eigh_pullback)(const RT *D, const T *V, int m, const RT *dD, const
 {
     T *K = FZ(zalloc)((size_t)m * m), *Y = FZ(zalloc)((size_t)m * m);
     if (K == NULL || Y == NULL) {
-        pb_mem_free(K);
-        pb_mem_free(Y);
+        pb__fz_free(K);
+        pb__fz_free(Y);
         return PB_ENOMEM;
     }
     const T one = 1, zero = 0;
@@ -68,38 +52,42 @@ static int FN(eigh_pullback)(const RT *D, const T *V, int m, const RT *dD, const
     if (dV) {
         FZ(gemm)('C', 'N', m, m, m, one, V, m, dV, m, zero, K, m);
         FZ(antiherm)(K, m);
-        for (int j = 0; j < m; j++)
-            for (int i = 0; i < m; i++) {
-                double gap = (double)D[j] - (double)D[i];
-                if (fabs(gap) < deg_atol || i == j) {
-                    g = fmax(g, ABS(E(K, m, i, j)));
-                    E(K, m, i, j) = 0;
-                } else
-                    E(K, m, i, j) = (T)(E(K, m, i, j) / gap);
-            }
     }
-    if (dD)
-        for (int i = 0; i < m; i++)
-            E(K, m, i, i) += dD[i];
+    /* K_ij/(D_j − D_i), 0 on the diagonal and in degenerate blocks (the
+     * gauge part, measured), dD on the diagonal; with no dV, K is 0 and D
+     * may be absent (eigh_vals keeps none) */
+    g = FZ_KERNEL(NULL, .kind = PB_GPU_FZ_EIGH_F, .m = m, .n = m, .ld = m, .x = K, .w = dV ? D : NULL, .v = dD,
+                  .param = deg_atol);
     FZ(gemm)('N', 'N', m, m, m, one, V, m, K, m, zero, Y, m);
     FZ(gemm)('N', 'C', m, m, m, one, Y, m, V, m, one, dA, m);
-    pb_mem_free(K);
-    pb_mem_free(Y);
+    pb__fz_free(K);
+    pb__fz_free(Y);
     *gauge = g;
     return 0;
 }
 
 /* eigh_trunc keeps the largest |λ| above max(atol, rtol·max|λ|), at most
- * maxrank of them; idx gets their indices in ascending order of λ. */
-static int FN(eigh_keep)(const RT *D, int m, const fz_opts_t *o, int *idx)
+ * maxrank of them; idx gets their indices in ascending order of λ.  D may
+ * be device memory (cuda/exec.h): the choice is made on a host copy. */
+static int FN(eigh_keep)(const RT *Dx, int m, const fz_opts_t *o, int *idx)
 {
+    const RT *D = Dx;
+    RT *host = NULL;
+    if (pb_exec_gpu() >= 0) {
+        if ((host = pb_mem_alloc(sizeof(RT) * (size_t)(m ? m : 1))) == NULL)
+            return -1;
+        pb__exec_d2h(host, Dx, sizeof(RT) * (size_t)m);
+        D = host;
+    }
     double big = 0;
     for (int i = 0; i < m; i++)
         big = fmax(big, fabs((double)D[i]));
     double thr = fmax(o->atol, o->rtol * big);
     char *keep = pb_mem_calloc((size_t)(m ? m : 1), 1);
-    if (keep == NULL)
+    if (keep == NULL) {
+        pb_mem_free(host);
         return -1;
+    }
     for (long long c = 0; c < o->maxrank; c++) { /* pick the next largest |λ| (first on a tie) */
         int best = -1;
         for (int i = 0; i < m; i++)
@@ -114,6 +102,7 @@ static int FN(eigh_keep)(const RT *D, int m, const fz_opts_t *o, int *idx)
         if (keep[i])
             idx[r++] = i;
     pb_mem_free(keep);
+    pb_mem_free(host);
     return r;
 }
 
@@ -133,7 +122,7 @@ static int FN(eigh_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor
     T *V = FZ(newmat)(&sv[1], m, m);
     int rc = PB_ENOMEM;
     if (sel && D && V) {
-        memcpy(V, A, (size_t)m * m * sizeof(T));
+        FZ(copy)(V, m, A, m, m, m);
         rc = FN(eigh_factor)(V, m, D, op->herm_atol, true, err);
     }
     if (rc == 0 && var == FZ_TRUNC) {
@@ -177,19 +166,21 @@ static int FN(eigh_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const f
     rc = PB_ENOMEM;
     if ((r1 && (dD = FZ(ralloc)((size_t)m)) == NULL) || (c1 && (dV = FZ(zalloc)((size_t)m * m)) == NULL))
         goto out;
-    for (int j = 0; j < r; j++) {
+    for (int j = 0, e; j < r; j = e) { /* a run of consecutive kept pairs at once */
+        for (e = j + 1; e < r && sel[e] == sel[e - 1] + 1;)
+            e++;
         if (dD)
-            dD[sel[j]] = r1[j];
+            pb__fz_move(RDT, dD + sel[j], r1 + j, (size_t)(e - j));
         if (dV)
-            memcpy(dV + (size_t)sel[j] * m, c1 + (size_t)j * m, (size_t)m * sizeof(T));
+            FZ(copy)(dV + (size_t)sel[j] * m, m, c1 + (size_t)j * m, m, m, e - j);
     }
     rc = FN(eigh_pullback)(D, pb_tensor_data(s1), m, dD, dV, dA, op->deg_atol, gauge);
 out:
     pb_mem_free(sel);
-    pb_mem_free(c1);
-    pb_mem_free(dV);
-    pb_mem_free(r1);
-    pb_mem_free(dD);
+    pb__fz_free(c1);
+    pb__fz_free(dV);
+    pb__fz_free(r1);
+    pb__fz_free(dD);
     return rc;
 }
 

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "../proto/errors.h"
+#include "strided.h"
 
 static const struct {
     const char *name;
@@ -282,7 +283,23 @@ int pb_tensor_to_order(pb_tensor_t *dst, const pb_tensor_t *src, char order)
     int nontrivial = 0;
     for (int k = 0; k < src->rank; k++)
         nontrivial += src->shape[k] > 1;
-    if (src->order == t.order || nontrivial <= 1)
+    if (pb_exec_gpu() >= 0) {
+        /* device memory (cuda/exec.h): one strided pass, each operand's
+         * strides those of its order (a flat copy when they agree) */
+        bool flat = src->order == t.order || nontrivial <= 1;
+        pb_loop_t L = {.rank = flat ? 1 : src->rank, .dim = {pb_tensor_count(src)}, .s = {{1}, {1}}};
+        int64_t c = 1, f = 1;
+        for (int k = 0; k < src->rank && !flat; k++) {
+            int r = src->rank - 1 - k;
+            L.dim[k] = src->shape[k];
+            L.s[order == 'F' ? 0 : 1][k] = f;
+            L.s[order == 'F' ? 1 : 0][r] = c;
+            f *= (int64_t)src->shape[k];
+            c *= (int64_t)src->shape[r];
+        }
+        pb_strided(src->dtype, &L, pb_tensor_data(&t), pb_tensor_data(src), false, (pb_scalar_t){1, 0}, NULL,
+                   (pb_scalar_t){0, 0}, false);
+    } else if (src->order == t.order || nontrivial <= 1)
         memcpy(pb_tensor_data(&t), pb_tensor_data(src), pb_tensor_bytes(src));
     else
         copy_reorder(pb_tensor_data(&t), pb_tensor_data(src), src->rank, src->shape, isz, t.order);

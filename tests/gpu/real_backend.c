@@ -6,8 +6,11 @@
  * the used-bytes count; strided (a rank-3 permutation with complex alpha,
  * beta and conj in c128 and f32, in place, the alpha = 0 rule, a traced
  * accumulation, rank 0, zero size) and dot (f64 and c64, conj both ways,
- * repeatable bit for bit) against host loops.  Exits 77 (skip) with "no CUDA device" when
- * the module is missing or finds no GPU. */
+ * repeatable bit for bit) against host loops.  fz: every kind in all four dtypes against
+ * host loops (ld > m, NaN padding left alone, the scaled and hypot passes, ties in phases,
+ * zero sizes); syevd with and without vectors in all four dtypes (A·V = V·diag(w), VᴴV = I,
+ * w ascending, bitwise repeatable, only the lower triangle read; n = 0).  Exits 77 (skip)
+ * with "no CUDA device" when the module is missing or finds no GPU. */
 #include <complex.h>
 #include <math.h>
 #include <pthread.h>
@@ -234,6 +237,391 @@ static void dot_checks(void)
     G->free(0, da); G->free(0, db); free(ca); free(cb);
 }
 
+/* ---- fz and syevd against host loops ----
+ *
+ * Host arrays of any dtype are read and written through double complex
+ * (the imaginary part 0 and dropped for real dtypes); the references are
+ * the CPU's formulas in double, compared per dtype (relative 2e-6 for
+ * f32 and c64, 1e-14 for f64 and c128), exactly where the contract makes
+ * a value exact.  Rows past m in a column (ld > m) hold NaN: no kind may
+ * read or write them. */
+
+static const size_t esz[4] = {4, 8, 8, 16};
+static const double fz_tol[4] = {2e-6, 1e-14, 2e-6, 1e-14};
+
+static double complex hget(int dt, const void *p, size_t k)
+{
+    switch (dt) {
+    case 0: return ((const float *)p)[k];
+    case 1: return ((const double *)p)[k];
+    case 2: return ((const float complex *)p)[k];
+    default: return ((const double complex *)p)[k];
+    }
+}
+
+static void hset(int dt, void *p, size_t k, double complex v)
+{
+    switch (dt) {
+    case 0: ((float *)p)[k] = (float)creal(v); break;
+    case 1: ((double *)p)[k] = creal(v); break;
+    case 2: ((float complex *)p)[k] = CMPLXF((float)creal(v), (float)cimag(v)); break;
+    default: ((double complex *)p)[k] = v; break;
+    }
+}
+
+static double rnd(unsigned *s)
+{
+    *s = *s * 1664525u + 1013904223u;
+    return (double)(*s >> 8) / (1 << 23) - 1.0; /* [-1, 1) */
+}
+
+/* An m×n matrix of dtype dt (leading dimension ld), entries scale·[-1, 1)
+ * in each part, NaN past row m. */
+static void *hmat(int dt, int m, int n, int ld, unsigned seed, double scale)
+{
+    void *h = malloc(esz[dt] * (size_t)ld * (size_t)(n ? n : 1));
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < ld; i++) {
+            double re = rnd(&seed) * scale, im = rnd(&seed) * scale;
+            hset(dt, h, (size_t)j * ld + i, i < m ? CMPLX(re, im) : CMPLX(NAN, NAN));
+        }
+    return h;
+}
+
+/* Both parts of got within tol of want, relative to max(1, |want|); NaN
+ * where want is (the padding). */
+static int mclose(double complex got, double complex want, double tol)
+{
+    return isnan(creal(want)) ? isnan(creal(got)) : cclose(got, want, tol);
+}
+
+static int rclose(double got, double want, double tol)
+{
+    return fabs(got - want) <= tol * fabs(want);
+}
+
+/* dev (dtype dt, ld × n) against want (double complex, ld × n) */
+static int same_mat(int dt, const void *dev, const double complex *want, int ld, int n, double tol, const char *what)
+{
+    void *h = malloc(esz[dt] * (size_t)ld * (size_t)n);
+    RC(G->d2h(h, dev, esz[dt] * (size_t)ld * (size_t)n));
+    int bad = 0;
+    for (int k = 0; k < ld * n; k++)
+        if (!mclose(hget(dt, h, k), want[k], tol) && bad++ < 3) {
+            double complex g = hget(dt, h, k);
+            printf("fz %s dt %d (%d,%d): %.17g%+.17gi want %.17g%+.17gi\n", what, dt, k % ld, k / ld, creal(g),
+                   cimag(g), creal(want[k]), cimag(want[k]));
+        }
+    fails += bad;
+    free(h);
+    return bad == 0;
+}
+
+static double complex *as_z(int dt, const void *h, size_t count)
+{
+    double complex *z = malloc(sizeof *z * (count ? count : 1));
+    for (size_t k = 0; k < count; k++)
+        z[k] = hget(dt, h, k);
+    return z;
+}
+
+static void fz_run(const pb_gpu_fz_t *k, double out[2])
+{
+    RC(G->fz(k, out));
+}
+
+static void fz_reductions(int dt)
+{
+    const double tol = fz_tol[dt];
+    const int m = 5, n = 7, ld = 6;
+    void *h = hmat(dt, m, n, ld, 11u + dt, 1.0);
+    double complex *z = as_z(dt, h, (size_t)ld * n);
+    void *d = dalloc_copy(h, esz[dt] * ld * n);
+    double out[2] = {-1, -1}, amax = 0, ss = 0;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            amax = fmax(amax, cabs(z[j * ld + i]));
+            ss += creal(z[j * ld + i]) * creal(z[j * ld + i]) + cimag(z[j * ld + i]) * cimag(z[j * ld + i]);
+        }
+    fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_AMAX, .dtype = dt, .m = m, .n = n, .ld = ld, .x = d}, out);
+    if (!close_enough(out[0], amax, tol) || out[1] != 1) { fails++; printf("fz amax dt %d: %.17g (%g) want %.17g (1)\n", dt, out[0], out[1], amax); }
+    fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_NORM, .dtype = dt, .m = m, .n = n, .ld = ld, .x = d}, out);
+    if (!close_enough(out[0], sqrt(ss), tol)) { fails++; printf("fz norm dt %d: %.17g want %.17g\n", dt, out[0], sqrt(ss)); }
+    /* a NaN, then an Inf, inside the matrix: not finite, and NaN norms */
+    for (int c = 0; c < 2; c++) {
+        void *h2 = malloc(esz[dt] * ld * n);
+        memcpy(h2, h, esz[dt] * ld * n);
+        hset(dt, h2, (size_t)(n - 1) * ld + (m - 1), c ? CMPLX(INFINITY, 0) : CMPLX(NAN, 0));
+        RC(G->h2d(d, h2, esz[dt] * ld * n));
+        fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_AMAX, .dtype = dt, .m = m, .n = n, .ld = ld, .x = d}, out);
+        CHECK(out[1] == 0);
+        fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_NORM, .dtype = dt, .m = m, .n = n, .ld = ld, .x = d}, out);
+        CHECK(c ? out[0] == INFINITY : isnan(out[0]));
+        free(h2);
+    }
+    G->free(0, d);
+    free(h);
+    free(z);
+    /* zero size: nothing read, {0, 1} */
+    out[0] = out[1] = 5;
+    fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_AMAX, .dtype = dt, .m = 0, .n = 3, .ld = 1}, out);
+    CHECK(out[0] == 0 && out[1] == 1);
+    out[0] = 5;
+    fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_NORM, .dtype = dt, .m = 4, .n = 0, .ld = 4}, out);
+    CHECK(out[0] == 0);
+    fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_HERMITIZE, .dtype = dt, .m = 0, .n = 0, .ld = 1}, NULL);
+    /* c128 entries whose squares overflow, then underflow: the scaled
+     * passes of amax and norm, and herm_gap's hypot pass */
+    if (dt == 3)
+        for (int c = 0; c < 2; c++) {
+            double s = ldexp(1.0, c ? -600 : 600);
+            h = hmat(dt, m, n, ld, 5u, s);
+            z = as_z(dt, h, (size_t)ld * n);
+            d = dalloc_copy(h, esz[dt] * ld * n);
+            double big = 0, sc = 0;
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < m; i++) {
+                    double complex y = z[j * ld + i] / s;
+                    big = fmax(big, cabs(z[j * ld + i]));
+                    sc += creal(y) * creal(y) + cimag(y) * cimag(y);
+                }
+            fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_AMAX, .dtype = dt, .m = m, .n = n, .ld = ld, .x = d}, out);
+            if (!rclose(out[0], big, 1e-15) || out[1] != 1) { fails++; printf("fz amax scaled %d: %.17g want %.17g\n", c, out[0], big); }
+            fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_NORM, .dtype = dt, .m = m, .n = n, .ld = ld, .x = d}, out);
+            if (!rclose(out[0], sqrt(sc) * s, 1e-14)) { fails++; printf("fz norm scaled %d: %.17g want %.17g\n", c, out[0], sqrt(sc) * s); }
+            G->free(0, d);
+            free(h);
+            free(z);
+            h = hmat(dt, n, n, n, 6u, s);
+            z = as_z(dt, h, (size_t)n * n);
+            d = dalloc_copy(h, esz[dt] * n * n);
+            double gap = 0;
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i <= j; i++)
+                    gap = fmax(gap, cabs(z[j * n + i] - conj(z[i * n + j])));
+            fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_HERM_GAP, .dtype = dt, .m = n, .n = n, .ld = n, .x = d}, out);
+            if (!rclose(out[0], gap, 1e-15)) { fails++; printf("fz herm_gap hypot %d: %.17g want %.17g\n", c, out[0], gap); }
+            G->free(0, d);
+            free(h);
+            free(z);
+        }
+}
+
+/* The square kinds on a 7×7 matrix, ld 7 and 9. */
+static void fz_square(int dt, int ld)
+{
+    enum { N = 7 };
+    const double tol = fz_tol[dt];
+    const int rdt = dt == 2 ? 0 : dt == 3 ? 1 : dt;
+    void *h = hmat(dt, N, N, ld, 23u + dt + ld, 1.0);
+    double complex *z = as_z(dt, h, (size_t)ld * N), *want = malloc(sizeof *want * ld * N);
+    size_t bytes = esz[dt] * ld * N;
+    void *d = dalloc_copy(h, bytes);
+    double out[2];
+#define Z(i, j) z[(size_t)(j) * ld + (i)]
+#define W(i, j) want[(size_t)(j) * ld + (i)]
+    /* herm_gap */
+    double gap = 0;
+    for (int j = 0; j < N; j++)
+        for (int i = 0; i <= j; i++)
+            gap = fmax(gap, cabs(Z(i, j) - conj(Z(j, i))));
+    fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_HERM_GAP, .dtype = dt, .m = N, .n = N, .ld = ld, .x = d}, out);
+    if (!close_enough(out[0], gap, tol)) { fails++; printf("fz herm_gap dt %d ld %d: %.17g want %.17g\n", dt, ld, out[0], gap); }
+    /* hermitize: the upper triangle and the padding stay exactly */
+    memcpy(want, z, sizeof *want * ld * N);
+    for (int j = 0; j < N; j++) {
+        W(j, j) = creal(Z(j, j));
+        for (int i = j + 1; i < N; i++)
+            W(i, j) = (Z(i, j) + conj(Z(j, i))) * 0.5;
+    }
+    fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_HERMITIZE, .dtype = dt, .m = N, .n = N, .ld = ld, .x = d}, NULL);
+    same_mat(dt, d, want, ld, N, tol, "hermitize");
+    void *back = malloc(bytes);
+    RC(G->d2h(back, d, bytes));
+    for (int j = 0; j < N; j++) {
+        CHECK(cimag(hget(dt, back, (size_t)j * ld + j)) == 0);
+        for (int i = 0; i < j; i++)
+            CHECK(memcmp((char *)back + esz[dt] * ((size_t)j * ld + i), (char *)h + esz[dt] * ((size_t)j * ld + i), esz[dt]) == 0);
+    }
+    /* antiherm of the original, both triangles */
+    RC(G->h2d(d, h, bytes));
+    memcpy(want, z, sizeof *want * ld * N);
+    for (int j = 0; j < N; j++)
+        for (int i = 0; i < N; i++)
+            W(i, j) = (Z(i, j) - conj(Z(j, i))) * 0.5;
+    fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_ANTIHERM, .dtype = dt, .m = N, .n = N, .ld = ld, .x = d}, NULL);
+    same_mat(dt, d, want, ld, N, tol, "antiherm");
+    /* eigh_f: w ascending with an equal pair (5, 6) and a near one (2, 3),
+     * v on the diagonal, deg 1e-3, then 1/256 (the near pair degenerate
+     * too); v alone (no w: only the diagonal changes); w alone */
+    const double wv[N] = {-2, -1, 0.5, 0.5 + 1.0 / 512, 1, 3, 3}, deg = 1e-3;
+    const double deg2 = 1.0 / 256; /* (2, 3) degenerate only under this one */
+    double hw[N], hv[N];
+    float fw[N], fv[N];
+    for (int i = 0; i < N; i++) { hw[i] = wv[i]; hv[i] = 0.125 * (i + 1); fw[i] = (float)hw[i]; fv[i] = (float)hv[i]; }
+    size_t rb = rdt ? sizeof hw : sizeof fw;
+    void *dw = dalloc_copy(rdt ? (void *)hw : (void *)fw, rb), *dv = dalloc_copy(rdt ? (void *)hv : (void *)fv, rb);
+    for (int c = 0; c < 4; c++) {
+        double dg = c == 1 ? deg2 : deg, g = 0;
+        int usew = c != 2, usev = c != 3;
+        RC(G->h2d(d, h, bytes));
+        memcpy(want, z, sizeof *want * ld * N);
+        for (int j = 0; j < N && usew; j++)
+            for (int i = 0; i < N; i++) {
+                double gp = wv[j] - wv[i];
+                if (fabs(gp) < dg || i == j) {
+                    g = fmax(g, cabs(Z(i, j)));
+                    W(i, j) = 0;
+                } else
+                    W(i, j) = Z(i, j) / gp;
+            }
+        for (int i = 0; i < N && usev; i++)
+            W(i, i) += hv[i];
+        out[0] = -1;
+        fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_EIGH_F, .dtype = dt, .m = N, .n = N, .ld = ld, .x = d,
+                              .w = usew ? dw : NULL, .v = usev ? dv : NULL, .param = dg}, out);
+        char what[32];
+        snprintf(what, sizeof what, "eigh_f case %d", c);
+        same_mat(dt, d, want, ld, N, tol, what);
+        if (!close_enough(out[0], g, tol)) { fails++; printf("fz eigh_f dt %d case %d gauge %.17g want %.17g\n", dt, c, out[0], g); }
+    }
+#undef Z
+#undef W
+    G->free(0, d); G->free(0, dw); G->free(0, dv);
+    free(h); free(z); free(want); free(back);
+}
+
+/* phases on a 7×5 matrix (ld 8): a random column, a zero column (stays
+ * exactly), a tie between rows 2 and 5 (the first wins), random ones. */
+static void fz_phases(int dt)
+{
+    enum { M = 7, C = 5, LD = 8 };
+    const double tol = fz_tol[dt];
+    void *h = hmat(dt, M, C, LD, 31u + dt, 0.5);
+    for (int i = 0; i < M; i++)
+        hset(dt, h, (size_t)LD + i, 0);
+    hset(dt, h, 2 * LD + 2, dt >= 2 ? CMPLX(0.5, -0.75) : 0.75);
+    hset(dt, h, 2 * LD + 5, dt >= 2 ? CMPLX(-0.75, 0.5) : -0.75);
+    double complex *z = as_z(dt, h, (size_t)LD * C), *want = malloc(sizeof *want * LD * C);
+    memcpy(want, z, sizeof *want * LD * C);
+    int bests[C];
+    for (int j = 0; j < C; j++) {
+        int best = 0;
+        double big = -1;
+        for (int i = 0; i < M; i++) {
+            double complex v = z[j * LD + i];
+            double a = creal(v) * creal(v) + cimag(v) * cimag(v);
+            if (a > big) { big = a; best = i; }
+        }
+        bests[j] = best;
+        double r = sqrt(big);
+        double complex p = r > 0 ? conj(z[j * LD + best]) / r : 1;
+        for (int i = 0; i < M; i++)
+            want[j * LD + i] = z[j * LD + i] * p;
+        want[j * LD + best] = cabs(z[j * LD + best]);
+    }
+    CHECK(bests[2] == 2);
+    void *d = dalloc_copy(h, esz[dt] * LD * C);
+    RC(G->fz(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_PHASES, .dtype = dt, .m = M, .n = C, .ld = LD, .x = d}, NULL));
+    same_mat(dt, d, want, LD, C, tol, "phases");
+    void *back = malloc(esz[dt] * LD * C);
+    RC(G->d2h(back, d, esz[dt] * LD * C));
+    for (int j = 0; j < C; j++) {
+        double complex b = hget(dt, back, (size_t)j * LD + bests[j]);
+        CHECK(cimag(b) == 0 && creal(b) >= 0);
+    }
+    for (int i = 0; i < M; i++)
+        CHECK(hget(dt, back, (size_t)LD + i) == 0);
+    G->free(0, d);
+    free(h); free(z); free(want); free(back);
+}
+
+static void fz_checks(void)
+{
+    for (int dt = 0; dt < 4; dt++) {
+        fz_reductions(dt);
+        fz_square(dt, 7);
+        fz_square(dt, 9);
+        fz_phases(dt);
+    }
+}
+
+/* syevd on a random 7×7 Hermitian matrix, its upper triangle and the
+ * rows past 7 garbage (only the lower triangle may be read), lda 7 and 9:
+ * info 0, w ascending,
+ * A·V = V·diag(w) and VᴴV = I (relative 1e-4 f32 and c64, 1e-12 f64 and
+ * c128), the values alone the same, twice the same bits; n = 0. */
+static void syevd_checks(void)
+{
+    enum { N = 7 };
+    static const double tol[4] = {1e-4, 1e-12, 1e-4, 1e-12};
+    for (int dt = 0; dt < 4; dt++)
+        for (int c = 0; c < 2; c++) {
+            const int lda = c ? 9 : N, rdt = dt == 2 ? 0 : dt == 3 ? 1 : dt;
+            size_t bytes = esz[dt] * lda * N, rb = esz[rdt] * N;
+            void *h = hmat(dt, N, N, lda, 41u + dt * 2 + c, 1.0);
+            for (int j = 0; j < N; j++) /* finite garbage past row N: never read */
+                for (int i = N; i < lda; i++)
+                    hset(dt, h, (size_t)j * lda + i, 7e3);
+            double complex A[N][N]; /* A[i][j], Hermitian, from the lower triangle */
+            double anorm = 0;
+            for (int j = 0; j < N; j++)
+                for (int i = j; i < N; i++) {
+                    double complex v = hget(dt, h, (size_t)j * lda + i);
+                    if (i == j) { v = creal(v); hset(dt, h, (size_t)j * lda + i, v); }
+                    else hset(dt, h, (size_t)i * lda + j, 1e3 + 1e3 * I); /* garbage above */
+                    A[i][j] = v;
+                    A[j][i] = conj(v);
+                    anorm += (i == j ? 1 : 2) * (creal(v) * creal(v) + cimag(v) * cimag(v));
+                }
+            anorm = sqrt(anorm);
+            void *da = dalloc_copy(h, bytes), *dw = dalloc_copy(NULL, rb);
+            int info = -1;
+            RC(G->syevd(dt, 1, N, da, lda, dw, &info));
+            CHECK(info == 0);
+            void *hv = malloc(bytes), *hw = malloc(rb);
+            RC(G->d2h(hv, da, bytes));
+            RC(G->d2h(hw, dw, rb));
+            double w[N], res = 0, orth = 0;
+            for (int i = 0; i < N; i++) w[i] = creal(hget(rdt, hw, i));
+            for (int i = 0; i + 1 < N; i++) CHECK(w[i] <= w[i + 1]);
+            for (int j = 0; j < N; j++)
+                for (int i = 0; i < N; i++) {
+                    double complex av = 0, vv = 0;
+                    for (int k = 0; k < N; k++) {
+                        av += A[i][k] * hget(dt, hv, (size_t)j * lda + k);
+                        vv += conj(hget(dt, hv, (size_t)i * lda + k)) * hget(dt, hv, (size_t)j * lda + k);
+                    }
+                    res = fmax(res, cabs(av - w[j] * hget(dt, hv, (size_t)j * lda + i)));
+                    orth = fmax(orth, cabs(vv - (i == j)));
+                }
+            if (res > tol[dt] * anorm || orth > tol[dt]) { fails++; printf("syevd dt %d lda %d: |AV - VW| %.3g (|A| %.3g), |VᴴV - I| %.3g\n", dt, lda, res, anorm, orth); }
+            /* the same solve again: the same bits (deterministic mode) */
+            void *hv2 = malloc(bytes), *hw2 = malloc(rb);
+            RC(G->h2d(da, h, bytes));
+            RC(G->syevd(dt, 1, N, da, lda, dw, &info));
+            RC(G->d2h(hv2, da, bytes));
+            RC(G->d2h(hw2, dw, rb));
+            CHECK(info == 0 && memcmp(hw, hw2, rb) == 0);
+            for (int j = 0; j < N; j++)
+                CHECK(memcmp((char *)hv + esz[dt] * (size_t)j * lda, (char *)hv2 + esz[dt] * (size_t)j * lda, esz[dt] * N) == 0);
+            /* the values alone */
+            RC(G->h2d(da, h, bytes));
+            RC(G->zero(dw, rb));
+            info = -1;
+            RC(G->syevd(dt, 0, N, da, lda, dw, &info));
+            RC(G->d2h(hw2, dw, rb));
+            CHECK(info == 0);
+            for (int i = 0; i < N; i++)
+                if (fabs(creal(hget(rdt, hw2, i)) - w[i]) > tol[dt] * anorm) { fails++; printf("syevd values dt %d lda %d: w[%d] %.17g want %.17g\n", dt, lda, i, creal(hget(rdt, hw2, i)), w[i]); }
+            G->free(0, da); G->free(0, dw);
+            free(h); free(hv); free(hw); free(hv2); free(hw2);
+        }
+    int info = -1;
+    RC(G->syevd(1, 1, 0, NULL, 1, NULL, &info));
+    CHECK(info == 0);
+}
+
 int main(void)
 {
     const char *why;
@@ -353,6 +741,8 @@ int main(void)
     CHECK(G->used(0) == 0);
     strided_checks();
     dot_checks();
+    fz_checks();
+    syevd_checks();
     RC(G->sync());
     CHECK(G->used(0) == 0);
     CHECK(!G->failed(0));

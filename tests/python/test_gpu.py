@@ -138,6 +138,31 @@ class FakeGpu(GpuCase):
                 self.assertLess(r["max_rel_err"], 1e-6, f"{op} {dtype.__name__}: {r}")
         self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
 
+    def test_eigh_on_the_gpu(self):
+        """eigh's rule runs on cuda as on the CPU: check's finite
+        differences, its tape (D and V) in device memory, its refusals."""
+        for dtype, tol in ((np.float64, 1e-6), (np.complex128, 1e-6), (np.float32, 1e-2)):
+            A = self.rng.standard_normal((6, 6)).astype(dtype)
+            if dtype == np.complex128:
+                A = A + 1j * self.rng.standard_normal(A.shape)
+            A = (A + A.conj().T) / 2
+            for op in ("eigh_full", "eigh_vals", "eigh_trunc"):
+                options = {"maxrank": 3} if op == "eigh_trunc" else {}
+                r = self.c.check(op, {"A": A}, wrt=["A"], options=options, device="cuda")
+                self.assertLess(r["max_rel_err"], tol, f"{op} {dtype.__name__}: {r}")
+        out, tape = self.c.augmented_forward("eigh_full", {"A": A}, wrt=["A"], device="cuda:1")
+        d = self.device("cuda:1")
+        self.assertEqual((d["tapes"], d["tape_bytes"]), (1, 6 * 6 * 4 + 6 * 4))
+        np.testing.assert_allclose((out["V"] * out["D"]) @ out["V"].T, A, atol=1e-5)
+        self.c.reverse(tape, {"D": np.ones(6, np.float32)})
+        self.assertEqual(self.device("cuda:1")["used_bytes"], 0)
+        e = self.assertCode("invalid_argument", self.c.forward, "eigh_full", {"A": np.triu(A) + 1}, device="cuda")
+        self.assertIn("not Hermitian", e.message)
+        A[2, 3] = np.nan
+        self.assertCode("numerical_error", self.c.forward, "eigh_vals", {"A": A}, device="cuda")
+        self.assertCode("shape_mismatch", self.c.forward, "eigh_vals", {"A": A[:, :4]}, device="cuda")
+        self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
+
     def test_tapes_live_in_device_memory(self):
         W, x, b = self.data(out=16, inn=16, batch=8)
         y, tape = self.c.augmented_forward("fused_dense", {"weight": W, "x": x, "bias": b}, wrt=["weight", "x"],
@@ -223,7 +248,7 @@ class FakeGpu(GpuCase):
                             device="cuda:2")
         self.assertIn("2 GPUs (cuda:0 to cuda:1)", e.message)
         self.assertCode("invalid_argument", self.c.forward, "fused_dense", {"weight": W, "x": x}, device="gpu")
-        e = self.assertCode("device_unavailable", self.c.forward, "qr_compact", {"A": W}, device="cuda")
+        e = self.assertCode("device_unavailable", self.c.forward, "svd_compact", {"A": W}, device="cuda")
         self.assertIn("no implementation on this device", e.message)
         e = self.assertCode("device_unavailable", self.c.call, "register_buffer", {"size": 64, "device": "cuda:2"},
                             fds=[os.memfd_create("pb-fake-gpu:2")])
@@ -415,6 +440,21 @@ class FailedGpu(GpuCase):
         np.testing.assert_allclose(self.c.forward("fused_dense", {"weight": W, "x": x})["y"], want,
                                    **TOL[np.float64])
         self.assertTrue(self.c.release(tape))
+
+
+class SolverFailure(GpuCase):
+    # Every cuSOLVER call reports that it did not converge (info 7).
+    DAEMON_ENV = {"PULLBACKD_FAKE_CUDA": "solver_info=7"}
+
+    def test_numerical_error_with_info(self):
+        A = np.eye(4) + 0.25
+        for op in ("eigh_full", "eigh_vals"):
+            e = self.assertCode("numerical_error", self.c.forward, op, {"A": A}, device="cuda")
+            self.assertEqual(e.details.get("info"), 7, e.details)
+            self.assertIn("cuSOLVER dsyevd did not converge (info 7)", e.message)
+        np.testing.assert_allclose(self.c.forward("eigh_vals", {"A": A})["D"], [1, 1, 1, 2])
+        self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
+        self.assertFalse(self.device("cuda:0")["failed"])
 
 
 class UnbindableGpu(GpuCase):
