@@ -221,6 +221,7 @@ static void m_call(pb_req_t *r, const msgpack_object *params, pb_storage_t *msg,
         need += 2 * (pb_tensor_bytes(&x->call.in[i]) + pb_tensor_bytes(&x->call.out_meta[i]));
     /* A check keeps a tape while it runs the op again in double precision
      * (kernels/check.c): twice that, three times from f32 and c64. */
+    need += x->call.work_bytes; /* what the op says its temporaries take */
     if (kind == PB_CALL_CHECK)
         need *= x->call.dtype == PB_F32 || x->call.dtype == PB_C64 ? 3 : 2;
     pb__req_submit(r, cost, x->call.device, need);
@@ -285,6 +286,7 @@ static void start_reverse(pb_req_t *r, pb_tape_t *t)
     size_t need = 0;
     for (int i = 0; i < PB_MAX_IO; i++)
         need += 2 * (pb_tensor_bytes(&v->cot[i]) + ((v->wrt >> i) & 1 ? pb_tensor_bytes(&t->data.in_meta[i]) : 0));
+    need += t->data.work_bytes;
     pb__req_submit(r, 2.0 * t->data.cost, t->data.device, need);
 }
 

@@ -132,6 +132,13 @@ void pb__fz_sized(pb_call_t *c, size_t tape, bool square)
     /* LAPACK's drivers: a few m·n·k, more for the eigensolvers */
     double flops = (square ? 25.0 : 8.0) * (double)m * (double)n * (double)(k ? k : 1);
     c->cost = flops * (pb_dtype_is_complex(c->dtype) ? 4.0 : 1.0);
+    /* A's work copy and the solver's workspace, or the reverse's K, Y and
+     * cotangent copies: a few matrices of A's size, or of the long side's
+     * square for the ops that make one (counted on a GPU, whose requests
+     * reserve device memory up front) */
+    const uint64_t s = m > n ? m : n;
+    const bool long_square = square || c->op->variant == FZ_FULL || c->op->variant == FZ_NULL;
+    c->work_bytes = 6 * (long_square ? pb__fz_bytes(c->dtype, s, s) : pb__fz_bytes(c->dtype, m, n));
 }
 
 /* ---- the ends of forward and reverse ----------------------------------------- */

@@ -130,6 +130,7 @@ void pb_tapedata_init(pb_tapedata_t *t, const pb_call_t *c)
     t->dtype = c->dtype;
     t->wrt = c->wrt;
     t->cost = c->cost;
+    t->work_bytes = c->work_bytes;
     for (int i = 0; i < PB_MAX_IO; i++) {
         meta_of(&t->in_meta[i], &c->in[i]);
         meta_of(&t->out_meta[i], &c->out_meta[i]);

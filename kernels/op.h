@@ -105,6 +105,8 @@ typedef struct pb_call {
     pb_tensor_t out_meta[PB_MAX_IO]; /* dtype and shape of each output */
     size_t tape_bytes;       /* exact bytes the tape will hold for wrt */
     double cost;             /* estimated floating-point operations */
+    size_t work_bytes;       /* temporaries the forward or the reverse may hold at once, past
+                                their inputs and outputs (a GPU reserves them; 0: few) */
     /* Set by forward: */
     pb_tensor_t out[PB_MAX_IO];
 } pb_call_t;
@@ -115,6 +117,7 @@ typedef struct pb_tapedata {
     pb_dtype_t dtype;
     unsigned wrt;
     double cost;                     /* the forward's estimated flops */
+    size_t work_bytes;               /* the call's work_bytes */
     pb_tensor_t in_meta[PB_MAX_IO];  /* dtype/shape of inputs; no storage */
     pb_tensor_t out_meta[PB_MAX_IO]; /* dtype/shape of outputs; no storage */
     pb_optval_t opt[PB_MAX_OPTS];

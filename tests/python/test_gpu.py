@@ -417,6 +417,12 @@ class DeviceCap(GpuCase):
         np.testing.assert_array_equal(y, np.full((600, 1), 600.0))
         # The CPU has no such cap.
         self.c.forward("fused_dense", {"weight": W, "x": W})
+        # eigh counts its temporaries too (A's copy, the solver's
+        # workspace): 2·(A + V) and 6·A, 12.8 MB at 400², 7.2 MB at 300².
+        e = self.assertCode("resource_exhausted", self.c.forward, "eigh_full", {"A": np.eye(400)}, device="cuda")
+        self.assertEqual(e.details.get("limit"), "max_device_bytes")
+        self.assertIn("may need 12", e.message)
+        np.testing.assert_array_equal(self.c.forward("eigh_vals", {"A": np.eye(300)}, device="cuda")["D"], 1.0)
 
 
 class FailedGpu(GpuCase):
@@ -525,6 +531,39 @@ class SmallGpu(GpuCase):
                 self.assertEqual(self.device("cuda:0")["used_bytes"], held, f"{dtype.__name__} hog {hog}")
             tape.release()
         self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
+        self.assertEqual(outcomes, {"forward ok", "forward out of memory", "reverse ok", "reverse out of memory"})
+
+    def test_eigh_running_out_anywhere(self):
+        """eigh's forward and reverse, wherever the device memory runs out:
+        an answer, or resource_exhausted device_memory with nothing left."""
+        def device_memory(e):
+            self.assertEqual((e.code, e.details.get("limit")), ("resource_exhausted", "device_memory"), e.message)
+
+        outcomes = set()
+        for dtype in (np.float64, np.complex128):
+            for n in range(20, 80, 3):
+                A = self.rng.standard_normal((n, n)).astype(dtype)
+                if dtype == np.complex128:
+                    A = A + 1j * self.rng.standard_normal((n, n))
+                A = (A + A.conj().T) / 2
+                try:
+                    out, tape = self.c.augmented_forward("eigh_full", {"A": A}, wrt=["A"], device="cuda")
+                    outcomes.add("forward ok")
+                except PullbackError as e:
+                    device_memory(e)
+                    outcomes.add("forward out of memory")
+                    self.assertEqual(self.device("cuda:0")["used_bytes"], 0, n)
+                    continue
+                try:
+                    # V̄ = V: a cotangent with no gauge part
+                    g = self.c.reverse(tape, {"D": np.ones(n), "V": out["V"]})["A"]
+                    self.assertEqual(g.shape, (n, n))
+                    outcomes.add("reverse ok")
+                except PullbackError as e:
+                    device_memory(e)
+                    outcomes.add("reverse out of memory")
+                    tape.release()
+                self.assertEqual(self.device("cuda:0")["used_bytes"], 0, n)
         self.assertEqual(outcomes, {"forward ok", "forward out of memory", "reverse ok", "reverse out of memory"})
 
     def test_alpha_zero_reads_no_operand(self):
