@@ -14,7 +14,12 @@
  *     its bandwidth);
  *   - a whole forward through the op (pb_op_run_forward on cuda, inputs
  *     and output through the host staging) beside them, for what a
- *     request adds.
+ *     request adds;
+ *   - eigh_full of a 4096² Hermitian A (f64, f32, c128), the op's device
+ *     work (its checks, phases and the solver, cuda/exec.h) ÷ the bare
+ *     Xsyevd it needs (issue 13: ≤ 1.15), its reverse ÷ its forward
+ *     (≤ 1.0), and forward + reverse on the CPU (one call each, OpenBLAS
+ *     with this process's threads) ÷ the same on the GPU: the speed-up.
  * Each figure is the median of 5 runs after a warm-up.  Exits 77 with "no
  * CUDA device" where the module or a GPU is missing.  With
  * PULLBACKD_FAKE_CUDA set it runs the quick shapes through the host fake
@@ -29,6 +34,7 @@
 #include "bench_util.h"
 #include "cuda/exec.h"
 #include "cuda/gpu.h"
+#include "cuda/gpu_ops.h"
 #include "kernels/act.h"
 #include "kernels/op.h"
 
@@ -294,6 +300,157 @@ static void bench_permute(long n)
     G->free(0, P.dst);
 }
 
+/* ---- eigh_full ---- */
+
+typedef struct {
+    pb_call_t call;
+    pb_tapedata_t tape;
+    pb_tensor_t cot[PB_MAX_IO];
+    void *a, *work, *w;
+    size_t bytes;
+} eigh_t;
+
+static eigh_t EH;
+
+static void run_syevd(fd_t *f)
+{
+    (void)f;
+    pb_gpu_loop_t L = {.rank = 1, .dim = {EH.bytes / 4}, .s = {{1}, {1}}};
+    ok(G->strided(0, &L, EH.work, EH.a, 0, ONE, NULL, ZERO, 0), "copy"); /* syevd overwrites its input */
+    int info = 0;
+    ok(G->syevd(EH.call.dtype, 1, (int)EH.call.in[0].shape[0], EH.work, (int)EH.call.in[0].shape[0], EH.w, &info),
+       "syevd");
+    ok(info, "syevd's info");
+}
+
+/* The op's forward (keeping its tape) or reverse on the execution
+ * device, or on the CPU when gpu < 0. */
+static void eigh_run(bool reverse, int gpu)
+{
+    pb_err_t err = {0};
+    pb_tensor_t grad[PB_MAX_IO + 2] = {{0}};
+    pb_warnings_t warn = {0};
+    if (!reverse) {
+        pb_tapedata_clear(&EH.tape);
+        pb_tapedata_init(&EH.tape, &EH.call);
+    }
+    if (gpu >= 0)
+        pb_exec_enter(gpu);
+    int rc = reverse ? EH.call.op->reverse[PB_DEV_CPU](&EH.tape, EH.cot, grad, 'F', &warn, &err)
+                     : EH.call.op->forward[PB_DEV_CPU](&EH.call, &EH.tape, &err);
+    int failed = gpu >= 0 ? pb_exec_leave() : 0;
+    if (rc || failed) {
+        fprintf(stderr, "eigh_full %s: %s\n", reverse ? "reverse" : "forward", rc ? err.message : G->last_error());
+        exit(1);
+    }
+    for (int i = 0; i < PB_MAX_IO + 2; i++)
+        pb_tensor_clear(&grad[i]);
+    for (int i = 0; i < PB_MAX_IO && !reverse; i++)
+        pb_tensor_clear(&EH.call.out[i]);
+}
+
+static void eigh_fwd_gpu(fd_t *f) { (void)f, eigh_run(false, 0); }
+static void eigh_rev_gpu(fd_t *f) { (void)f, eigh_run(true, 0); }
+
+/* Host tensors of A (Hermitian, random) and the cotangents D̄, V̄ = V. */
+static void eigh_host(pb_tensor_t *A, pb_tensor_t *cot, pb_dtype_t d, long m)
+{
+    uint64_t shape[2] = {(uint64_t)m, (uint64_t)m}, vshape[1] = {(uint64_t)m};
+    ok(pb_tensor_alloc(A, d, 2, shape, 'F', true), "A");
+    ok(pb_tensor_alloc(&cot[0], pb_dtype_real(d), 1, vshape, 'F', true), "D̄");
+    ok(pb_tensor_alloc(&cot[1], d, 2, shape, 'F', true), "V̄");
+    bool single = d == PB_F32 || d == PB_C64, cplx = pb_dtype_is_complex(d);
+    char *a = pb_tensor_data(A);
+    unsigned long long r = 88172645463325252ull;
+    for (long j = 0; j < m; j++)
+        for (long i = 0; i <= j; i++) {
+            double v[2];
+            for (int k = 0; k < 2; k++) {
+                r ^= r << 13, r ^= r >> 7, r ^= r << 17;
+                v[k] = (double)(r >> 11) * 0x1.0p-53 - 0.5;
+            }
+            if (i == j || !cplx)
+                v[1] = 0;
+            for (int t = 0; t < 2; t++) { /* (i, j), then (j, i) conjugated */
+                size_t o = t ? (size_t)i * m + j : (size_t)j * m + i;
+                double im = t ? -v[1] : v[1];
+                if (single) {
+                    float *p = (float *)(a + o * pb_dtype_size(d));
+                    p[0] = (float)v[0];
+                    if (cplx)
+                        p[1] = (float)im;
+                } else {
+                    double *p = (double *)(a + o * pb_dtype_size(d));
+                    p[0] = v[0];
+                    if (cplx)
+                        p[1] = im;
+                }
+            }
+        }
+    char *dd = pb_tensor_data(&cot[0]);
+    for (long i = 0; i < m; i++)
+        if (single)
+            ((float *)dd)[i] = 1.0f;
+        else
+            ((double *)dd)[i] = 1.0;
+}
+
+static void bench_eigh(pb_dtype_t d, long m, bool cpu)
+{
+    pb_call_t *c = &EH.call;
+    memset(&EH, 0, sizeof EH);
+    c->op = pb_op_find("eigh_full", 9);
+    c->device = (pb_device_t){PB_DEV_CUDA, 0};
+    c->dtype = d;
+    c->order = 'F';
+    c->wrt = 1;
+    c->taped = true;
+    pb_tensor_t A = {0}, hcot[PB_MAX_IO] = {{0}};
+    eigh_host(&A, hcot, d, m);
+    pb_call_defaults(c);
+    c->in[0] = A;
+    pb_err_t err;
+    if (c->op->validate(c, &err)) {
+        fprintf(stderr, "eigh_full: %s\n", err.message);
+        exit(1);
+    }
+    /* on the CPU, one call each: forward + reverse */
+    double tcpu = 0;
+    if (cpu) {
+        memcpy(EH.cot, hcot, sizeof hcot);
+        double t0 = now();
+        eigh_run(false, -1);
+        /* V̄ = V has no gauge part: the reverse's gauge check stays quiet */
+        eigh_run(true, -1);
+        tcpu = now() - t0;
+    }
+    /* on the GPU: A and the cotangents in device memory */
+    pb_tensor_t dA = {0};
+    ok(pb_gpu_upload(&dA, 0, &A), "upload A");
+    c->in[0] = dA;
+    for (int i = 0; i < 2; i++)
+        ok(pb_gpu_upload(&EH.cot[i], 0, &hcot[i]), "upload cotangents");
+    EH.bytes = pb_tensor_bytes(&dA);
+    EH.a = pb_tensor_data(&dA);
+    EH.work = dalloc(EH.bytes);
+    EH.w = dalloc((size_t)m * pb_dtype_size(pb_dtype_real(d)));
+    double ts = timed(run_syevd, NULL), tf = timed(eigh_fwd_gpu, NULL), tr = timed(eigh_rev_gpu, NULL);
+    printf("eigh_full %s %ld²: Xsyevd %.1f ms, forward %.1f ms: %.3f; reverse %.1f ms: %.3f of the forward", pb_dtype_name(d),
+           m, ts * 1e3, tf * 1e3, tf / ts, tr * 1e3, tr / tf);
+    if (cpu)
+        printf("; CPU forward + reverse %.0f ms: the GPU %.1f× as fast", tcpu * 1e3, tcpu / (tf + tr));
+    printf("\n");
+    pb_tapedata_clear(&EH.tape);
+    G->free(0, EH.work);
+    G->free(0, EH.w);
+    for (int i = 0; i < PB_MAX_IO; i++) {
+        pb_tensor_clear(&EH.cot[i]);
+        pb_tensor_clear(&hcot[i]);
+    }
+    pb_tensor_clear(&A);
+    pb_call_clear(c);
+}
+
 int main(int argc, char **argv)
 {
     bool quick = argc > 1 && strcmp(argv[1], "--quick") == 0;
@@ -322,6 +479,9 @@ int main(int argc, char **argv)
     bench_contract(PB_F64, quick ? 32 : 107);
     bench_contract(PB_C128, quick ? 24 : 90);
     bench_permute(quick ? 64 : 128);
+    bench_eigh(PB_F64, quick ? 64 : 4096, true);
+    bench_eigh(PB_F32, quick ? 64 : 4096, false);
+    bench_eigh(PB_C128, quick ? 48 : 4096, false);
     G->thread_fini();
     return 0;
 }

@@ -13,7 +13,7 @@ set -eu
 cd "$(dirname "$0")/../.."
 [ -d build-gpu ] || meson setup build-gpu --buildtype=release -Dcuda=enabled
 targets="daemon/pullbackd cuda/libpullbackd-cuda.so tests/gpu_real_backend tests/unit_fused_dense \
-tests/unit_tensorops tests/unit_gpu_fake tests/bench/bench_gpu tests/gpu_export_client"
+tests/unit_tensorops tests/unit_factor tests/unit_gpu_fake tests/bench/bench_gpu tests/gpu_export_client"
 # shellcheck disable=SC2086
 ninja -C build-gpu $targets
 stage=$(mktemp -d)

@@ -13,7 +13,8 @@
 #      the CPU (tests/gpu/parity.py), GPU memory exported by another
 #      process and used in place (tests/gpu/export_client.c), and
 #      finite-difference checks through `check` on cuda;
-#   5. compute-sanitizer (memcheck, then racecheck) over cuda.real;
+#   5. compute-sanitizer (memcheck, then racecheck) over cuda.real (its
+#      cuSOLVER eigensolver and factorization kernels too);
 #   6. benchmarks: bench_gpu in process, bench_gpu_socket through the
 #      daemon with 8 processes.
 # On a machine without a GPU every step but 3 says SKIP and the script
@@ -62,6 +63,7 @@ step real_backend "$work/tests/gpu_real_backend"
 [ $? -eq 77 ] && gpu=0
 step fake_fused_dense "$work/tests/unit_fused_dense" cuda
 step fake_tensorops "$work/tests/unit_tensorops" cuda
+step fake_factor "$work/tests/unit_factor" cuda
 step fake_checks "$work/tests/unit_gpu_fake"
 
 if [ $gpu = 1 ]; then
@@ -86,6 +88,10 @@ with pullbackd.Client(sys.argv[1], timeout=120) as c:
         cases = [("tensorcontract", {"A": A, "B": B}, {"spec": "abc,cd->abd"}, ["A", "B", "alpha"]),
                  ("tensoradd", {"A": A}, {"pA": [2, 0, 1]}, ["A", "alpha"]),
                  ("tensortrace", {"A": A[:, :, :3]}, {"p": [1], "q": [[0], [2]]}, ["A", "alpha"])]
+        H = rng.standard_normal((6, 6)).astype(dtype) + (1j * rng.standard_normal((6, 6)) if cplx else 0)
+        H = ((H + H.conj().T) / 2).astype(dtype)
+        cases += [(op, {"A": H}, {"maxrank": 3} if op == "eigh_trunc" else {}, ["A"])
+                  for op in ("eigh_full", "eigh_vals", "eigh_trunc")]
         if not cplx:
             cases.append(("fused_dense", {"weight": B.T.copy(), "x": A[0].T.copy(), "bias": B[:4, 0].copy()},
                           {"act": "gelu"}, ["weight", "x", "bias"]))
