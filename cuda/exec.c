@@ -126,6 +126,14 @@ int pb__exec_syevd(pb_dtype_t d, bool vectors, int n, void *a, int lda, void *w)
     return pb_exec_failed() ? 0 : info;
 }
 
+int pb__exec_gesvd(pb_dtype_t d, bool vectors, int m, int n, void *a, int lda, void *s, void *u, int ldu, void *vt,
+                   int ldvt)
+{
+    int info = 0;
+    EXEC(pb_gpu->gesvd((int)d, vectors, m, n, a, lda, s, u, ldu, vt, ldvt, &info));
+    return pb_exec_failed() ? 0 : info;
+}
+
 void pb__exec_d2h(void *dst, const void *src, size_t n)
 {
     if (EXEC(pb_gpu->d2h(dst, src, n)) == 0)

@@ -56,6 +56,9 @@ void pb__exec_fz(const struct pb_gpu_fz *k, double out[2]);
 /* The Hermitian eigensolver (gpu.h's syevd); returns its info (0 once a
  * failure is kept: the wrapper reports that). */
 int pb__exec_syevd(pb_dtype_t d, bool vectors, int n, void *a, int lda, void *w);
+/* The SVD of the m×n a, m >= n (gpu.h's gesvd); its info, as syevd's. */
+int pb__exec_gesvd(pb_dtype_t d, bool vectors, int m, int n, void *a, int lda, void *s, void *u, int ldu, void *vt,
+                   int ldvt);
 /* n bytes of device memory into host memory, waited for. */
 void pb__exec_d2h(void *dst, const void *src, size_t n);
 void pb__exec_gemm(pb_dtype_t d, char ta, char tb, int m, int n, int k, pb_scalar_t alpha, const void *a, int lda,

@@ -17,6 +17,7 @@
 
 #include "../kernels/factor_common.h"
 #include "../kernels/fused_dense.h"
+#include "../kernels/mem.h"
 #include "../kernels/strided.h"
 #include "exec.h"
 #include "gpu_ops.h"
@@ -187,7 +188,11 @@ static int fake_alloc(int dev, size_t bytes, void **p)
         *p = NULL;
         return 0;
     }
-    size_t page = (size_t)sysconf(_SC_PAGESIZE), mapped = (bytes + page - 1) / page * page;
+    /* with the host allocator's tail slack (kernels/mem.h): the fake runs
+     * OpenBLAS and LAPACK on the shadow, and their kernels read past the
+     * end (no call may touch it: the extent checks stop at bytes) */
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), want = bytes + PB_TAIL_SLACK(bytes);
+    size_t mapped = (want + page - 1) / page * page;
     pthread_mutex_lock(&F.lock);
     bool room = F.used[dev] <= F.memory && bytes <= F.memory - F.used[dev];
     if (room)
@@ -560,10 +565,12 @@ static int fake_fz(const pb_gpu_fz_t *k, double out[2])
     int rc = stream_call("fz");
     if (rc)
         return rc;
-    if (k->dtype < 0 || k->dtype > 3 || k->kind < PB_GPU_FZ_AMAX || k->kind > PB_GPU_FZ_EIGH_F)
+    if (k->dtype < 0 || k->dtype > 3 || k->kind < PB_GPU_FZ_AMAX || k->kind > PB_GPU_FZ_SVD_F)
         fake_abort("fz: dtype %d, kind %d", k->dtype, k->kind);
-    bool square = k->kind >= PB_GPU_FZ_HERM_GAP && k->kind != PB_GPU_FZ_PHASES;
-    bool reduces = k->kind <= PB_GPU_FZ_HERM_GAP || k->kind == PB_GPU_FZ_EIGH_F;
+    const int kind = k->kind;
+    bool square = kind == PB_GPU_FZ_HERM_GAP || kind == PB_GPU_FZ_HERMITIZE || kind == PB_GPU_FZ_ANTIHERM ||
+                  kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F;
+    bool reduces = kind <= PB_GPU_FZ_HERM_GAP || kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F;
     if (square && k->m != k->n)
         fake_abort("fz: kind %d needs a square matrix, given %d × %d", k->kind, k->m, k->n);
     size_t es = esize[k->dtype], res = k->dtype == 2 ? 4 : k->dtype == 3 ? 8 : es;
@@ -578,11 +585,22 @@ static int fake_fz(const pb_gpu_fz_t *k, double out[2])
         return 0;
     }
     h.x = dev_ptr(k->x, xb, "fz x");
-    if (k->kind == PB_GPU_FZ_EIGH_F) {
-        h.w = k->w ? dev_ptr(k->w, (size_t)k->n * res, "fz w") : NULL;
-        h.v = k->v ? dev_ptr(k->v, (size_t)k->n * res, "fz v") : NULL;
-    } else if (k->w || k->v)
-        fake_abort("fz: kind %d takes no vectors", k->kind);
+    /* the vectors each kind takes, of its length and element */
+    size_t wlen = kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F || kind == PB_GPU_FZ_COLS_DIV ? (size_t)k->n
+                  : kind == PB_GPU_FZ_ROWS_DIV                                                     ? (size_t)k->m
+                                                                                                   : 0;
+    size_t vlen = kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F ? (size_t)k->n * res
+                  : kind == PB_GPU_FZ_PHASES                          ? (size_t)k->n * es
+                  : kind == PB_GPU_FZ_ROWS_MUL                        ? (size_t)k->m * es
+                                                                      : 0;
+    bool needs = kind == PB_GPU_FZ_ROWS_MUL || kind == PB_GPU_FZ_COLS_DIV || kind == PB_GPU_FZ_ROWS_DIV ||
+                 kind == PB_GPU_FZ_SVD_F;
+    if ((k->w && !wlen) || (k->v && !vlen) || (k->y && kind != PB_GPU_FZ_SVD_F) ||
+        (needs && !(kind == PB_GPU_FZ_ROWS_MUL ? k->v : k->w)) || (kind == PB_GPU_FZ_SVD_F && !k->y))
+        fake_abort("fz: kind %d given w %p, v %p, y %p", kind, k->w, k->v, k->y);
+    h.w = k->w ? dev_ptr(k->w, wlen * res, "fz w") : NULL;
+    h.v = k->v ? dev_ptr(k->v, vlen, "fz v") : NULL;
+    h.y = k->y ? dev_ptr(k->y, xb, "fz y") : NULL;
     pb__fz_kernel_host(&h, o);
     if (reduces)
         memcpy(out, o, sizeof o);
@@ -618,6 +636,52 @@ static int fake_syevd(int dtype, int vectors, int n, void *a, int lda, void *w, 
     return 0;
 }
 
+static int fake_gesvd(int dtype, int vectors, int m, int n, void *a, int lda, void *s, void *u, int ldu, void *vt,
+                      int ldvt, int *info)
+{
+    int rc = stream_call("gesvd");
+    if (rc)
+        return rc;
+    if (dtype < 0 || dtype > 3)
+        fake_abort("gesvd: dtype %d", dtype);
+    if (m < n) /* cuSOLVER's gesvd: m >= n only */
+        fake_abort("gesvd: %d × %d is wide: cuSOLVER's gesvd takes m >= n", m, n);
+    host_ptr(info, sizeof *info, "gesvd info");
+    size_t es = esize[dtype], res = dtype == 2 ? 4 : dtype == 3 ? 8 : es;
+    size_t ab = mat_bytes(m, n, lda, es, "gesvd a");
+    if (!vectors && (u || vt))
+        fake_abort("gesvd: vectors given without vectors asked");
+    size_t ub = vectors ? mat_bytes(m, n, ldu, es, "gesvd u") : 0, vb = vectors ? mat_bytes(n, n, ldvt, es, "gesvd vt") : 0;
+    if (n == 0) {
+        *info = 0;
+        return 0;
+    }
+    char *sa = dev_ptr(a, ab, "gesvd a"), *ss = dev_ptr(s, (size_t)n * res, "gesvd s");
+    char *su = vectors ? dev_ptr(u, ub, "gesvd u") : NULL, *sv = vectors ? dev_ptr(vt, vb, "gesvd vt") : NULL;
+    char job = vectors ? 'S' : 'N';
+    int lu = vectors ? ldu : 1, lv = vectors ? ldvt : 1;
+    void *superb = malloc((size_t)n * 8);
+    if (superb == NULL)
+        return fail(PB_EINTERNAL, "gesvd: no host memory");
+    int gpu = pb_exec_pause(); /* LAPACK's GEMMs on the host (exec.h) */
+    int r = dtype == 0   ? LAPACKE_sgesvd(LAPACK_COL_MAJOR, job, job, m, n, (float *)sa, lda, (float *)ss, (float *)su,
+                                          lu, (float *)sv, lv, superb)
+            : dtype == 1 ? LAPACKE_dgesvd(LAPACK_COL_MAJOR, job, job, m, n, (double *)sa, lda, (double *)ss,
+                                          (double *)su, lu, (double *)sv, lv, superb)
+            : dtype == 2 ? LAPACKE_cgesvd(LAPACK_COL_MAJOR, job, job, m, n, (lapack_complex_float *)sa, lda,
+                                          (float *)ss, (lapack_complex_float *)su, lu, (lapack_complex_float *)sv, lv,
+                                          superb)
+                         : LAPACKE_zgesvd(LAPACK_COL_MAJOR, job, job, m, n, (lapack_complex_double *)sa, lda,
+                                          (double *)ss, (lapack_complex_double *)su, lu, (lapack_complex_double *)sv,
+                                          lv, superb);
+    pb_exec_resume(gpu);
+    free(superb);
+    if (r < 0)
+        fake_abort("gesvd: argument %d rejected", -r);
+    *info = F.solver_info ? F.solver_info : r;
+    return 0;
+}
+
 static const char *fake_last_error(void)
 {
     return last;
@@ -648,6 +712,7 @@ static const pb_gpu_backend_t fake = {
     .dot = fake_dot,
     .fz = fake_fz,
     .syevd = fake_syevd,
+    .gesvd = fake_gesvd,
     .last_error = fake_last_error,
 };
 

@@ -10,7 +10,7 @@
  *                   device fails that device with a sticky error, as an
  *                   illegal address would (default: never)
  *   unbindable=D    device D's thread_init fails (its workers cannot bind)
- *   solver_info=K   every solver call (syevd) reports info K, as one that
+ *   solver_info=K   every solver call (syevd, gesvd) reports info K, as one that
  *                   did not converge (default: the solver's own)
  * An empty value is "devices=1".  The daemon reads it once at start.
  *

@@ -92,7 +92,9 @@ typedef enum pb_gpu_fz_kind {
     PB_GPU_FZ_ANTIHERM,
     /* each column times conj(p)/|p|, p its entry of largest re² + im²
      * (the first on a tie), which is then set to |p| exactly; a zero
-     * column stays */
+     * column stays.  v (when not NULL): n elements of the dtype, v_j =
+     * p_j/|p_j| (1 for a zero column), the phase the matching row of the
+     * SVD's Vh is multiplied by */
     PB_GPU_FZ_PHASES,
     /* waits: eigh's F-matrix (square x, w the n eigenvalues, ascending):
      * x_ij = x_ij/(w_j - w_i) where i != j and |w_j - w_i| >= param, else
@@ -101,13 +103,27 @@ typedef enum pb_gpu_fz_kind {
      * diagonal add (out[0] = 0).  w and v: device vectors of the real
      * dtype */
     PB_GPU_FZ_EIGH_F,
+    /* x_ij = x_ij·v_i: v, m elements of the dtype */
+    PB_GPU_FZ_ROWS_MUL,
+    /* x_ij = x_ij/w_j: w, n values of the real dtype (a division, not a
+     * product by the reciprocal) */
+    PB_GPU_FZ_COLS_DIV,
+    /* x_ij = x_ij/w_i: w, m values of the real dtype */
+    PB_GPU_FZ_ROWS_DIV,
+    /* waits: the SVD's K (square x and y, leading dimension ld both; w
+     * the n singular values): with a = x_ij, b = y_ij, dm = w_j - w_i and
+     * dp = w_j + w_i (in double), x_ij = (a + b)/dm unless |dm| < param,
+     * where out[0] takes the largest |a + b| instead, plus (a - b)/dp
+     * unless |dp| < param; then x_ii += v_i when v (n values of the real
+     * dtype) is not NULL.  y is read only */
+    PB_GPU_FZ_SVD_F,
 } pb_gpu_fz_kind_t;
 
 typedef struct pb_gpu_fz {
     int kind, dtype;
     int m, n, ld;
     void *x;
-    const void *w, *v;
+    const void *y, *w, *v;
     double param;
 } pb_gpu_fz_t;
 
@@ -184,6 +200,14 @@ typedef struct pb_gpu_backend {
      * (host) is the solver's: 0, or > 0 when it did not converge (LAPACK's
      * meaning).  cusolverDnXsyevd with the deterministic mode on. */
     int (*syevd)(int dtype, int vectors, int n, void *a, int lda, void *w, int *info);
+    /* Stream, then waits: the SVD of the m×n a, m >= n (cuSOLVER's
+     * gesvd takes no wide matrix: the caller transposes), a destroyed: s
+     * (device, n values of the real dtype) descending; with vectors, the
+     * thin U (m×n, ldu >= m) and Vᴴ (n×n, ldvt >= n), else u and vt are
+     * not used (NULL).  *info (host) as syevd's.  cusolverDnXgesvd with
+     * jobu = jobvt = 'S' or 'N'. */
+    int (*gesvd)(int dtype, int vectors, int m, int n, void *a, int lda, void *s, void *u, int ldu, void *vt,
+                 int ldvt, int *info);
     /* The library's words on the calling thread's last failure. */
     const char *(*last_error)(void);
 } pb_gpu_backend_t;
@@ -212,7 +236,7 @@ const pb_gpu_backend_t *pb__gpu_real(const char **why);
  * instead of called through the wrong slots: bump it with every change
  * to the table. */
 typedef const pb_gpu_backend_t *pb_gpu_module_fn(void);
-#define PB_GPU_MODULE_FN pb__gpu_real_backend_v2
+#define PB_GPU_MODULE_FN pb__gpu_real_backend_v3
 
 #ifdef __cplusplus
 }

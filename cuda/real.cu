@@ -1,5 +1,5 @@
 /* The real GPU backend (cuda/gpu.h): the CUDA runtime, cuBLAS, cuSOLVER
- * (syevd) and our own kernels for fused_dense, the strided passes and dot
+ * (syevd, gesvd) and our own kernels for fused_dense, the strided passes and dot
  * (see "strided passes" below) and the factorizations' matrix passes (see
  * "the factorizations' matrix kernels").
  *
@@ -39,7 +39,7 @@
  * mode; a 32 MiB workspace from the pool, so cuBLAS does not cudaMalloc
  * its own), a cuSOLVER handle on it (deterministic results, default math)
  * with one cusolverDnParams_t, dot's 4 KiB scratch from the pool (also
- * fz's partials and syevd's info; neither it nor the cuBLAS workspace
+ * fz's partials and the solvers' info; neither it nor the cuBLAS workspace
  * counts in used()), two events and an 8 MiB pinned staging buffer, all in
  * thread-local state; thread_fini frees them.
  *
@@ -148,7 +148,7 @@ struct worker_state {
     cusolverDnParams_t solver_params;
     void *workspace;
     /* DOT_SCRATCH bytes, in stream order: dot's and fz's partials and
-     * result, syevd's info */
+     * result, syevd's and gesvd's info */
     void *dot_scratch;
     unsigned char *staging;
     cudaEvent_t ev[2];
@@ -938,6 +938,14 @@ __device__ __forceinline__ double add_re(double x, double r) { return e_add(x, r
 __device__ __forceinline__ cf add_re(cf x, float r) { return {e_add(x.re, r), x.im}; }
 __device__ __forceinline__ cd add_re(cd x, double r) { return {e_add(x.re, r), x.im}; }
 
+/* x / r for a real r of T's real type, each part by itself: C's T /= RT
+ * (GCC divides a complex by a real part by part), a true quotient in T's
+ * real type (never a product by 1/r). */
+__device__ __forceinline__ float div_re(float x, float r) { return __fdiv_rn(x, r); }
+__device__ __forceinline__ double div_re(double x, double r) { return __ddiv_rn(x, r); }
+__device__ __forceinline__ cf div_re(cf x, float r) { return {__fdiv_rn(x.re, r), __fdiv_rn(x.im, r)}; }
+__device__ __forceinline__ cd div_re(cd x, double r) { return {__ddiv_rn(x.re, r), __ddiv_rn(x.im, r)}; }
+
 /* How two partial results join.  The maxima start at 0 and take a value
  * only when it is larger, so a NaN never enters (the CPU's comparisons
  * and fmax drop NaNs the same way). */
@@ -1096,8 +1104,11 @@ template <typename T> __global__ void k_fz_antiherm(T *x, size_t n, size_t ld)
  * largest re² + im² (strictly larger replaces, so a NaN never does), the
  * tree keeps the larger, the smaller index on a tie: the CPU's first
  * index of the largest.  A thread with no entry offers -1 at its own
- * index, which thread 0 (index 0, at least -1) beats. */
-template <typename T> __global__ void __launch_bounds__(THREADS) k_fz_phases(T *x, size_t m, size_t n, size_t ld)
+ * index, which thread 0 (index 0, at least -1) beats.  ph (the fz's v,
+ * when not NULL): ph_j = conj(p) of the rounded p, as the CPU's ph[j]
+ * (1 - 0i for a zero column in the complex dtypes, bit for bit). */
+template <typename T>
+__global__ void __launch_bounds__(THREADS) k_fz_phases(T *x, size_t m, size_t n, size_t ld, T *ph)
 {
     __shared__ double sb[THREADS];
     __shared__ size_t si[THREADS];
@@ -1131,6 +1142,8 @@ template <typename T> __global__ void __launch_bounds__(THREADS) k_fz_phases(T *
         T p = from_parts<T>(1, 0);
         if (r > 0)
             p = div_by(e_conj(col[best]), r);
+        if (ph && threadIdx.x == 0)
+            ph[j] = e_conj(p);
         __syncthreads(); /* col[best], sb and si read by all before anything is written */
         for (size_t i = threadIdx.x; i < m; i += THREADS) {
             T v = e_mul(col[i], p);
@@ -1168,6 +1181,59 @@ __global__ void __launch_bounds__(THREADS) k_fz_eigh_f(T *x, size_t n, size_t ld
         {
             x[i * ld + i] = add_re(x[i * ld + i], v[i]);
         }
+    }
+    fz_block_join<j_max>({g, 0}, part + blockIdx.x);
+}
+
+/* ROWS_MUL: x_ij = x_ij·v_i, the CPU's x *= v (textbook product). */
+template <typename T> __global__ void k_fz_rows_mul(T *x, size_t m, size_t n, size_t ld, const T *v)
+{
+    GRID_STRIDE(idx, m * n)
+    {
+        size_t i, j;
+        T *p = fz_at(x, idx, m, ld, &i, &j);
+        *p = e_mul(*p, v[i]);
+    }
+}
+
+/* COLS_DIV (cols) and ROWS_DIV: x_ij = x_ij/w_j or x_ij/w_i. */
+template <typename T>
+__global__ void k_fz_div(T *x, size_t m, size_t n, size_t ld, const real_t<T> *w, bool cols)
+{
+    GRID_STRIDE(idx, m * n)
+    {
+        size_t i, j;
+        T *p = fz_at(x, idx, m, ld, &i, &j);
+        *p = div_re(*p, w[cols ? j : i]);
+    }
+}
+
+/* SVD_F, the CPU's svd_f_host element by element (each element reads its
+ * own x_ij and y_ij only, so x is written in place): with a = x_ij,
+ * b = y_ij, v = 0 + (T)((a + b)/dm) unless |dm| < deg (|a + b| into the
+ * maximum instead), + (T)((a - b)/dp) when |dp| >= deg, quotients in
+ * double; v starts at +0 as the CPU's, so a -0 term gives +0.  Then
+ * x_ii += dS_i when dS is not NULL. */
+template <typename T>
+__global__ void __launch_bounds__(THREADS) k_fz_svd_f(T *x, const T *y, size_t n, size_t ld, const real_t<T> *s,
+                                                      const real_t<T> *ds, double deg, cd *part)
+{
+    double g = 0;
+    GRID_STRIDE(idx, n * n)
+    {
+        size_t i, j;
+        T *p = fz_at(x, idx, n, ld, &i, &j);
+        T a = *p, b = y[j * ld + i], val = T();
+        double dm = __dsub_rn((double)s[j], (double)s[i]), dp = __dadd_rn((double)s[j], (double)s[i]);
+        if (fabs(dm) < deg)
+            g = fmax(g, abs_of(e_add(a, b)));
+        else
+            val = e_add(val, div_by(e_add(a, b), dm));
+        if (fabs(dp) >= deg)
+            val = e_add(val, div_by(e_sub(a, b), dp));
+        if (ds && i == j)
+            val = add_re(val, ds[i]);
+        *p = val;
     }
     fz_block_join<j_max>({g, 0}, part + blockIdx.x);
 }
@@ -2148,9 +2214,23 @@ template <typename T> int fz_eigh_f(const pb_gpu_fz_t &k, double out[2])
     return 0;
 }
 
+template <typename T> int fz_svd_f(const pb_gpu_fz_t &k, double out[2])
+{
+    cd *part = (cd *)t_w.dot_scratch, r;
+    k_fz_svd_f<T><<<FZ_BLOCKS, THREADS, 0, t_w.stream>>>((T *)k.x, (const T *)k.y, k.n, k.ld,
+                                                         (const real_t<T> *)k.w, (const real_t<T> *)k.v, k.param,
+                                                         part);
+    int rc = fz_result<j_max>("fz svd_f kernel launch", &r);
+    if (rc)
+        return rc;
+    out[0] = r.re;
+    out[1] = 1;
+    return 0;
+}
+
 template <typename T> int fz_run(const pb_gpu_fz_t &k, double out[2])
 {
-    size_t n = (size_t)k.n, ld = (size_t)k.ld;
+    size_t m = (size_t)k.m, n = (size_t)k.n, ld = (size_t)k.ld;
     switch ((pb_gpu_fz_kind_t)k.kind) {
     case PB_GPU_FZ_AMAX:
         return fz_amax<T>(k, out);
@@ -2166,11 +2246,21 @@ template <typename T> int fz_run(const pb_gpu_fz_t &k, double out[2])
         return launched("fz antiherm kernel launch");
     case PB_GPU_FZ_PHASES: {
         unsigned cap = g_dev[t_w.dev].max_blocks, g = n < cap ? (unsigned)n : cap;
-        k_fz_phases<T><<<g, THREADS, 0, t_w.stream>>>((T *)k.x, (size_t)k.m, n, ld);
+        k_fz_phases<T><<<g, THREADS, 0, t_w.stream>>>((T *)k.x, m, n, ld, (T *)const_cast<void *>(k.v));
         return launched("fz phases kernel launch");
     }
     case PB_GPU_FZ_EIGH_F:
         return fz_eigh_f<T>(k, out);
+    case PB_GPU_FZ_ROWS_MUL:
+        k_fz_rows_mul<T><<<blocks_for(m * n), THREADS, 0, t_w.stream>>>((T *)k.x, m, n, ld, (const T *)k.v);
+        return launched("fz rows_mul kernel launch");
+    case PB_GPU_FZ_COLS_DIV:
+    case PB_GPU_FZ_ROWS_DIV:
+        k_fz_div<T><<<blocks_for(m * n), THREADS, 0, t_w.stream>>>((T *)k.x, m, n, ld, (const real_t<T> *)k.w,
+                                                                   k.kind == PB_GPU_FZ_COLS_DIV);
+        return launched("fz cols_div/rows_div kernel launch");
+    case PB_GPU_FZ_SVD_F:
+        return fz_svd_f<T>(k, out);
     }
     return internal("fz", "bad kind");
 }
@@ -2180,16 +2270,25 @@ int real_fz(const pb_gpu_fz_t *k, double out[2])
     int rc = worker_check("fz");
     if (rc)
         return rc;
-    if (!k || k->dtype < 0 || k->dtype > 3 || k->kind < PB_GPU_FZ_AMAX || k->kind > PB_GPU_FZ_EIGH_F)
+    if (!k || k->dtype < 0 || k->dtype > 3 || k->kind < PB_GPU_FZ_AMAX || k->kind > PB_GPU_FZ_SVD_F)
         return internal("fz", "bad kernel, dtype or kind");
-    bool reduces = k->kind <= PB_GPU_FZ_HERM_GAP || k->kind == PB_GPU_FZ_EIGH_F;
-    bool square = k->kind >= PB_GPU_FZ_HERM_GAP && k->kind != PB_GPU_FZ_PHASES;
+    const int kind = k->kind;
+    bool reduces = kind <= PB_GPU_FZ_HERM_GAP || kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F;
+    bool square = (kind >= PB_GPU_FZ_HERM_GAP && kind <= PB_GPU_FZ_ANTIHERM) || kind == PB_GPU_FZ_EIGH_F ||
+                  kind == PB_GPU_FZ_SVD_F;
+    /* the vectors each kind reads (or, PHASES's v, writes) */
+    bool takes_y = kind == PB_GPU_FZ_SVD_F;
+    bool takes_w = kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_COLS_DIV || kind == PB_GPU_FZ_ROWS_DIV ||
+                   kind == PB_GPU_FZ_SVD_F;
+    bool takes_v = kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_PHASES || kind == PB_GPU_FZ_ROWS_MUL ||
+                   kind == PB_GPU_FZ_SVD_F;
+    bool needs_w = takes_w && kind != PB_GPU_FZ_EIGH_F, needs_v = kind == PB_GPU_FZ_ROWS_MUL;
     if (k->m < 0 || k->n < 0 || k->ld < (k->m > 1 ? k->m : 1) || (square && k->m != k->n))
         return internal("fz", "bad sizes (ld < max(1, m), or a square kind given m != n)");
     if (reduces && !out)
         return internal("fz", "a reducing kind without out");
-    if (k->kind != PB_GPU_FZ_EIGH_F && (k->w || k->v))
-        return internal("fz", "only eigh_f takes w and v");
+    if ((k->y && !takes_y) || (k->w && !takes_w) || (k->v && !takes_v))
+        return internal("fz", "y, w or v given to a kind that does not take it");
     if (k->m == 0 || k->n == 0) { /* nothing to touch or wait for, as the fake */
         if (reduces) {
             out[0] = 0;
@@ -2197,8 +2296,8 @@ int real_fz(const pb_gpu_fz_t *k, double out[2])
         }
         return 0;
     }
-    if (!k->x)
-        return internal("fz", "no matrix");
+    if (!k->x || (takes_y && !k->y) || (needs_w && !k->w) || (needs_v && !k->v))
+        return internal("fz", "no matrix, or a kind's y, w or v missing");
     switch (k->dtype) {
     case 0: return fz_run<float>(*k, out);
     case 1: return fz_run<double>(*k, out);
@@ -2207,7 +2306,7 @@ int real_fz(const pb_gpu_fz_t *k, double out[2])
     }
 }
 
-/* ---- syevd: cusolverDnXsyevd ----
+/* ---- the solvers: cusolverDnXsyevd, cusolverDnXgesvd ----
  *
  * The device workspace comes from the device's pool on the worker's
  * stream, as the worker's own scratch does (not counted in used()), and is
@@ -2215,23 +2314,50 @@ int real_fz(const pb_gpu_fz_t *k, double out[2])
  * query asks for one, from malloc.  info lives in the worker's scratch
  * (dot's, in stream order) and is copied back through staging, which
  * waits for the stream. */
-const cudaDataType SYEVD_A[4] = {CUDA_R_32F, CUDA_R_64F, CUDA_C_32F, CUDA_C_64F};
-const cudaDataType SYEVD_W[4] = {CUDA_R_32F, CUDA_R_64F, CUDA_R_32F, CUDA_R_64F};
-
-/* The solve, its workspaces given; *hinfo the solver's info. */
-int syevd_solve(int dtype, cusolverEigMode_t job, int n, void *a, int lda, void *w, void *dwork, size_t dbytes,
-                void *hwork, size_t hbytes, int *hinfo)
-{
-    int *dinfo = (int *)t_w.dot_scratch;
-    SK(t_w.dev, cusolverDnXsyevd(t_w.solver, t_w.solver_params, job, CUBLAS_FILL_MODE_LOWER, n, SYEVD_A[dtype], a,
-                                 lda, SYEVD_W[dtype], w, SYEVD_A[dtype], dwork, dbytes, hwork, hbytes, dinfo));
-    return real_d2h(hinfo, dinfo, sizeof *hinfo);
-}
+const cudaDataType SOLVER_T[4] = {CUDA_R_32F, CUDA_R_64F, CUDA_C_32F, CUDA_C_64F};
+const cudaDataType SOLVER_RT[4] = {CUDA_R_32F, CUDA_R_64F, CUDA_R_32F, CUDA_R_64F};
 
 /* The later of two failures wins when it is the device's. */
 int worse(int rc, int rc2)
 {
     return rc == 0 || rc2 == PB_EDEVICE_UNAVAILABLE ? rc2 : rc;
+}
+
+/* One solve (name: the cuSOLVER call, for the log), its workspace sizes
+ * queried: solve(dwork, hwork, dinfo) queues it (0 or a PB_E* code), then
+ * *hinfo is its info, >= 0 (a rejected argument is PB_EINTERNAL). */
+template <typename F> int solver_run(const char *name, size_t dbytes, size_t hbytes, F solve, int *hinfo)
+{
+    int dev = t_w.dev, rc = 0;
+    void *dwork = nullptr, *hwork = nullptr;
+    if (dbytes && (rc = pool_alloc(dev, g_dev[dev], dbytes, &dwork, t_w.stream)))
+        return rc;
+    int *dinfo = (int *)t_w.dot_scratch;
+    if (hbytes && !(hwork = malloc(hbytes)))
+        rc = internal(name, "out of host memory for cuSOLVER's host workspace");
+    else if ((rc = solve(dwork, hwork, dinfo)) == 0)
+        rc = real_d2h(hinfo, dinfo, sizeof *hinfo);
+    if (rc && hwork && !g_dev[dev].failed.load()) {
+        /* the solver may have queued work before it failed: it finishes
+         * before its host workspace goes */
+        cudaError_t e = cudaStreamSynchronize(t_w.stream);
+        if (e != cudaSuccess)
+            rc = worse(rc, cuda_fail(dev, e, "cudaStreamSynchronize (solver failed)"));
+    }
+    free(hwork);
+    if (dwork && !g_dev[dev].failed.load()) { /* a failed device leaks it: see the top */
+        cudaError_t e = cudaFreeAsync(dwork, t_w.stream);
+        if (e != cudaSuccess)
+            rc = worse(rc, cuda_fail(dev, e, "cudaFreeAsync (solver workspace)"));
+    }
+    if (rc)
+        return rc;
+    if (*hinfo < 0) {
+        char why[96];
+        snprintf(why, sizeof why, "%s rejected argument %d", name, -*hinfo);
+        return internal(name, why);
+    }
+    return 0;
 }
 
 int real_syevd(int dtype, int vectors, int n, void *a, int lda, void *w, int *info)
@@ -2249,38 +2375,66 @@ int real_syevd(int dtype, int vectors, int n, void *a, int lda, void *w, int *in
         return internal("syevd", "no matrix or eigenvalues");
     int dev = t_w.dev;
     cusolverEigMode_t job = vectors ? CUSOLVER_EIG_MODE_VECTOR : CUSOLVER_EIG_MODE_NOVECTOR;
+    const cudaDataType ta = SOLVER_T[dtype], tw = SOLVER_RT[dtype];
     size_t dbytes = 0, hbytes = 0;
-    SK(dev, cusolverDnXsyevd_bufferSize(t_w.solver, t_w.solver_params, job, CUBLAS_FILL_MODE_LOWER, n,
-                                        SYEVD_A[dtype], a, lda, SYEVD_W[dtype], w, SYEVD_A[dtype], &dbytes,
-                                        &hbytes));
-    void *dwork = nullptr, *hwork = nullptr;
-    if (dbytes && (rc = pool_alloc(dev, g_dev[dev], dbytes, &dwork, t_w.stream)))
-        return rc;
+    SK(dev, cusolverDnXsyevd_bufferSize(t_w.solver, t_w.solver_params, job, CUBLAS_FILL_MODE_LOWER, n, ta, a, lda,
+                                        tw, w, ta, &dbytes, &hbytes));
     int hinfo = 0;
-    if (hbytes && !(hwork = malloc(hbytes)))
-        rc = internal("syevd", "out of host memory for cuSOLVER's host workspace");
-    else
-        rc = syevd_solve(dtype, job, n, a, lda, w, dwork, dbytes, hwork, hbytes, &hinfo);
-    if (rc && hwork && !g_dev[dev].failed.load()) {
-        /* the solver may have queued work before it failed: it finishes
-         * before its host workspace goes */
-        cudaError_t e = cudaStreamSynchronize(t_w.stream);
-        if (e != cudaSuccess)
-            rc = worse(rc, cuda_fail(dev, e, "cudaStreamSynchronize (syevd failed)"));
-    }
-    free(hwork);
-    if (dwork && !g_dev[dev].failed.load()) { /* a failed device leaks it: see the top */
-        cudaError_t e = cudaFreeAsync(dwork, t_w.stream);
-        if (e != cudaSuccess)
-            rc = worse(rc, cuda_fail(dev, e, "cudaFreeAsync (syevd workspace)"));
-    }
+    rc = solver_run(
+        "cusolverDnXsyevd", dbytes, hbytes,
+        [&](void *dwork, void *hwork, int *dinfo) {
+            SK(dev, cusolverDnXsyevd(t_w.solver, t_w.solver_params, job, CUBLAS_FILL_MODE_LOWER, n, ta, a, lda, tw,
+                                     w, ta, dwork, dbytes, hwork, hbytes, dinfo));
+            return 0;
+        },
+        &hinfo);
     if (rc)
         return rc;
-    if (hinfo < 0) {
-        char why[64];
-        snprintf(why, sizeof why, "cusolverDnXsyevd rejected argument %d", -hinfo);
-        return internal("syevd", why);
+    *info = hinfo;
+    return 0;
+}
+
+/* gesvd: jobu = jobvt = 'S' (the thin U, m×n, and Vᴴ, n×n) or 'N'.
+ * Without vectors u and vt are not used: cuSOLVER gets NULL for both, with
+ * ldu = m and ldvt = n, which every reading of its argument checks takes
+ * (LAPACK asks ldu >= 1 there, some cuSOLVER calls ldu >= max(1, m)). */
+int real_gesvd(int dtype, int vectors, int m, int n, void *a, int lda, void *s, void *u, int ldu, void *vt,
+               int ldvt, int *info)
+{
+    int rc = worker_check("gesvd");
+    if (rc)
+        return rc;
+    if (dtype < 0 || dtype > 3 || !info || m < 0 || n < 0 || lda < (m > 1 ? m : 1))
+        return internal("gesvd", "bad dtype, sizes (lda < max(1, m)) or info");
+    if (m < n)
+        return internal("gesvd", "m < n: cuSOLVER's gesvd takes no wide matrix (the caller transposes)");
+    if (vectors && (ldu < (m > 1 ? m : 1) || ldvt < (n > 1 ? n : 1)))
+        return internal("gesvd", "ldu < max(1, m) or ldvt < max(1, n)");
+    if (m == 0 || n == 0) { /* nothing to solve or wait for */
+        *info = 0;
+        return 0;
     }
+    if (!a || !s || (vectors && (!u || !vt)))
+        return internal("gesvd", "no matrix, singular values or vectors");
+    int dev = t_w.dev;
+    const signed char job = vectors ? 'S' : 'N';
+    const cudaDataType ta = SOLVER_T[dtype], ts = SOLVER_RT[dtype];
+    void *pu = vectors ? u : nullptr, *pvt = vectors ? vt : nullptr;
+    const int64_t lu = vectors ? ldu : m, lvt = vectors ? ldvt : n;
+    size_t dbytes = 0, hbytes = 0;
+    SK(dev, cusolverDnXgesvd_bufferSize(t_w.solver, t_w.solver_params, job, job, m, n, ta, a, lda, ts, s, ta, pu,
+                                        lu, ta, pvt, lvt, ta, &dbytes, &hbytes));
+    int hinfo = 0;
+    rc = solver_run(
+        "cusolverDnXgesvd", dbytes, hbytes,
+        [&](void *dwork, void *hwork, int *dinfo) {
+            SK(dev, cusolverDnXgesvd(t_w.solver, t_w.solver_params, job, job, m, n, ta, a, lda, ts, s, ta, pu, lu,
+                                     ta, pvt, lvt, ta, dwork, dbytes, hwork, hbytes, dinfo));
+            return 0;
+        },
+        &hinfo);
+    if (rc)
+        return rc;
     *info = hinfo;
     return 0;
 }
@@ -2315,6 +2469,7 @@ const pb_gpu_backend_t real_backend = {
     .dot = real_dot,
     .fz = real_fz,
     .syevd = real_syevd,
+    .gesvd = real_gesvd,
     .last_error = real_last_error,
 };
 

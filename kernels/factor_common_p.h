@@ -56,6 +56,10 @@ RT *FZ(newvec_r)(pb_tensor_t *t, int n);
  * phase's conjugate (what a matching row of Vᴴ is multiplied by), when ph
  * is not NULL. */
 void FZ(fix_phases)(T *V, int m, int c, T *ph);
+/* The n values v (of the real dtype) where the host can read them: v
+ * itself, or on a GPU (cuda/exec.h) a host copy in *copy, which the
+ * caller frees with pb_mem_free; NULL when out of memory. */
+const RT *FZ(host_r)(const RT *v, int n, RT **copy);
 /* A LAPACK info as invalid (< 0: internal) or not converged (numerical). */
 int FZ(lapack_fail)(const char *what, lapack_int info, pb_err_t *err);
 

@@ -15,7 +15,7 @@ RT *FZ(ralloc)(size_t n)
 int FZ(lapack_ld)(int m)
 {
     size_t bytes = (size_t)m * sizeof(T);
-    if (bytes < 512)
+    if (bytes < 512 || pb_exec_gpu() >= 0) /* a GPU's solvers: as they come */
         return LD(m);
     size_t ld = (((bytes + 63) / 64) | 1) * 64 / sizeof(T);
     return ld > INT_MAX ? m : (int)ld;
@@ -75,27 +75,21 @@ void FZ(gemm)(char ta, char tb, int m, int n, int k, T alpha, const T *a, int ld
 
 void FZ(adjoint)(const T *X, int m, int n, T *Y)
 {
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i < m; i++)
-            E(Y, n, j, i) = CONJ(E(X, m, i, j));
+    if (m <= 0 || n <= 0)
+        return;
+    /* the cache-blocked pass (on the execution device), conjugating */
+    pb_loop_t L = {.rank = 2, .dim = {(uint64_t)m, (uint64_t)n}, .s = {{n, 1}, {1, m}}};
+    pb_strided(DT, &L, Y, X, CPLX, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, false);
 }
 
 double FZ(maxabs)(const T *M, int ld, int i0, int r, int j0, int c)
 {
-    double g = 0;
-    for (int j = j0; j < j0 + c; j++)
-        for (int i = i0; i < i0 + r; i++)
-            g = fmax(g, ABS(E(M, ld, i, j)));
-    return g;
+    return FZ_KERNEL(NULL, .kind = PB_GPU_FZ_AMAX, .m = r, .n = c, .ld = ld, .x = (T *)M + (size_t)j0 * ld + i0);
 }
 
 double FZ(maxantiherm)(const T *X, int n)
 {
-    double g = 0;
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i <= j; i++)
-            g = fmax(g, 0.5 * ABS(E(X, n, i, j) - CONJ(E(X, n, j, i))));
-    return g;
+    return 0.5 * FZ_KERNEL(NULL, .kind = PB_GPU_FZ_HERM_GAP, .m = n, .n = n, .ld = n, .x = (T *)X);
 }
 
 void FZ(antiherm)(T *X, int n)
@@ -244,6 +238,30 @@ static double FN(eigh_f_host)(T *K, int ld, int n, const RT *D, const RT *dD, do
     return g;
 }
 
+/* The SVD's K in place of X (n×n, with Y: factor_svd_t.h's pullback says
+ * what it is); returns the largest |X_ij + Y_ij| dropped as degenerate. */
+static double FN(svd_f_host)(T *X, const T *Y, int ld, int n, const RT *S, const RT *dS, double deg)
+{
+    double g = 0;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < n; i++) {
+            T a = E(X, ld, i, j), b = E(Y, ld, i, j);
+            double dm = (double)S[j] - (double)S[i], dp = (double)S[j] + (double)S[i];
+            T v = 0;
+            if (fabs(dm) < deg)
+                g = fmax(g, ABS(a + b));
+            else
+                v += (T)((a + b) / dm);
+            if (fabs(dp) >= deg)
+                v += (T)((a - b) / dp);
+            E(X, ld, i, j) = v;
+        }
+    if (dS)
+        for (int i = 0; i < n; i++)
+            E(X, ld, i, i) += dS[i];
+    return g;
+}
+
 void FZ(kernel_host)(const pb_gpu_fz_t *k, double out[2])
 {
     T *x = k->x;
@@ -276,10 +294,28 @@ void FZ(kernel_host)(const pb_gpu_fz_t *k, double out[2])
             }
         break;
     case PB_GPU_FZ_PHASES:
-        FN(fix_phases_host)(x, ld, m, n, NULL);
+        FN(fix_phases_host)(x, ld, m, n, (T *)k->v);
         break;
     case PB_GPU_FZ_EIGH_F:
         out[0] = FN(eigh_f_host)(x, ld, n, k->w, k->v, k->param);
+        break;
+    case PB_GPU_FZ_ROWS_MUL:
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++)
+                E(x, ld, i, j) *= ((const T *)k->v)[i];
+        break;
+    case PB_GPU_FZ_COLS_DIV:
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++)
+                E(x, ld, i, j) /= ((const RT *)k->w)[j];
+        break;
+    case PB_GPU_FZ_ROWS_DIV:
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++)
+                E(x, ld, i, j) /= ((const RT *)k->w)[i];
+        break;
+    case PB_GPU_FZ_SVD_F:
+        out[0] = FN(svd_f_host)(x, k->y, ld, n, k->w, k->v, k->param);
         break;
     }
 }
@@ -353,10 +389,17 @@ RT *FZ(newvec_r)(pb_tensor_t *t, int n)
 
 void FZ(fix_phases)(T *V, int m, int c, T *ph)
 {
-    if (ph) /* the phases kept: host memory only, so far */
-        FN(fix_phases_host)(V, m, m, c, ph);
-    else
-        FZ_KERNEL(NULL, .kind = PB_GPU_FZ_PHASES, .m = m, .n = c, .ld = m, .x = V);
+    FZ_KERNEL(NULL, .kind = PB_GPU_FZ_PHASES, .m = m, .n = c, .ld = m, .x = V, .v = ph);
+}
+
+const RT *FZ(host_r)(const RT *v, int n, RT **copy)
+{
+    *copy = NULL;
+    if (v == NULL || pb_exec_gpu() < 0)
+        return v;
+    if ((*copy = pb_mem_alloc(sizeof(RT) * (size_t)(n > 0 ? n : 1))) != NULL)
+        pb__exec_d2h(*copy, v, sizeof(RT) * (size_t)(n > 0 ? n : 0));
+    return *copy;
 }
 
 int FZ(lapack_fail)(const char *what, lapack_int info, pb_err_t *err)

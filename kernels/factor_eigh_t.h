@@ -71,14 +71,10 @@ static int FN(eigh_pullback)(const RT *D, const T *V, int m, const RT *dD, const
  * be device memory (cuda/exec.h): the choice is made on a host copy. */
 static int FN(eigh_keep)(const RT *Dx, int m, const fz_opts_t *o, int *idx)
 {
-    const RT *D = Dx;
-    RT *host = NULL;
-    if (pb_exec_gpu() >= 0) {
-        if ((host = pb_mem_alloc(sizeof(RT) * (size_t)(m ? m : 1))) == NULL)
-            return -1;
-        pb__exec_d2h(host, Dx, sizeof(RT) * (size_t)m);
-        D = host;
-    }
+    RT *host;
+    const RT *D = FZ(host_r)(Dx, m, &host);
+    if (D == NULL)
+        return -1;
     double big = 0;
     for (int i = 0; i < m; i++)
         big = fmax(big, fabs((double)D[i]));

@@ -1,6 +1,7 @@
 /* The SVD family: svd_{compact,full,vals,trunc} (factor_svd_t.h holds the
  * math for one dtype; its svd_factor also serves the polar family). */
 #include "factor_common.h"
+#include "../cuda/gpu_ops.h"
 
 #define PB_T_BODY "factor_svd_t.h"
 #include "dtype_t.h"
@@ -44,10 +45,15 @@ static const char *const out_USV[] = {"U", "S", "Vh"}, *const out_S[] = {"S"};
 
 #define SVD_ROW(nm, var, outs, opts, nopts)                                                                            \
     FZ_ROW(nm, var, outs, opts, nopts, svd_validate, svd_forward, svd_reverse, svd_fd, NULL)
+/* On the GPUs too (cuSOLVER's gesvd; the body runs there unchanged,
+ * factor_common.h), but for svd_full, whose completions need the QR. */
+#define SVD_ROW_GPU(nm, var, outs, opts, nopts)                                                                        \
+    FZ_ROW_ON(nm, var, outs, opts, nopts, svd_validate, svd_forward, svd_reverse, svd_fd, NULL,                      \
+              (1u << PB_DEV_CPU) | (1u << PB_DEV_CUDA), pb_gpu_shared_forward, pb_gpu_shared_reverse)
 const pb_op_t pb_fz_svd_ops[] = {
-    SVD_ROW("svd_compact", FZ_COMPACT, out_USV, o_svd, NELEM(o_svd)),
+    SVD_ROW_GPU("svd_compact", FZ_COMPACT, out_USV, o_svd, NELEM(o_svd)),
     SVD_ROW("svd_full", FZ_FULL, out_USV, o_svd, NELEM(o_svd)),
-    SVD_ROW("svd_vals", FZ_VALS, out_S, o_svd_vals, NELEM(o_svd_vals)),
-    SVD_ROW("svd_trunc", FZ_TRUNC, out_USV, o_svd_trunc, NELEM(o_svd_trunc)),
+    SVD_ROW_GPU("svd_vals", FZ_VALS, out_S, o_svd_vals, NELEM(o_svd_vals)),
+    SVD_ROW_GPU("svd_trunc", FZ_TRUNC, out_USV, o_svd_trunc, NELEM(o_svd_trunc)),
 };
 const int pb_fz_svd_nops = NELEM(pb_fz_svd_ops);

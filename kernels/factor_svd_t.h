@@ -4,20 +4,53 @@
  * truncated form keeps the full decomposition, and its reverse pads the
  * kept vectors' cotangents, so its pullback is exact for the kept factors. */
 
-/* gesdd, and gesvd when gesdd does not converge. */
-int FZ(svd_factor)(const T *A, int m, int n, T *U, RT *S, T *Vh, pb_err_t *err)
+/* On a GPU (cuda/exec.h): cuSOLVER's gesvd, which takes no wide matrix:
+ * a wide A goes as Aᴴ = V·S·Uᴴ.  With vectors, U (m×k) and Vh (k×n);
+ * without, S alone (U and Vh unused). */
+static int FN(svd_cusolver)(const T *A, int m, int n, T *U, RT *S, T *Vh, bool vectors, pb_err_t *err)
 {
-    int k = m < n ? m : n;
-    if (k == 0)
-        return 0;
+    const bool wide = m < n;
+    const int M = wide ? n : m, N = wide ? m : n; /* M ≥ N = k */
+    T *W = FZ(zalloc)((size_t)M * N), *Ut = NULL, *Vt = NULL;
+    int rc = PB_ENOMEM;
+    if (W && (!vectors || !wide || ((Ut = FZ(zalloc)((size_t)M * N)) && (Vt = FZ(zalloc)((size_t)N * N))))) {
+        if (wide)
+            FZ(adjoint)(A, m, n, W);
+        else
+            FZ(copy)(W, m, A, m, m, n);
+        int info = pb__exec_gesvd(DT, vectors, M, N, W, M, S, vectors ? (wide ? Ut : U) : NULL, M,
+                                  vectors ? (wide ? Vt : Vh) : NULL, N);
+        if (info)
+            rc = FZ(lapack_fail)("gesvd", info, err);
+        else {
+            rc = 0;
+            if (vectors && wide) { /* U = (Vᴴ of Aᴴ)ᴴ, Vh = (U of Aᴴ)ᴴ */
+                FZ(adjoint)(Vt, N, N, U);
+                FZ(adjoint)(Ut, M, N, Vh);
+            }
+        }
+    }
+    pb__fz_free(W);
+    pb__fz_free(Ut);
+    pb__fz_free(Vt);
+    return rc;
+}
+
+/* gesdd, and gesvd when gesdd does not converge (cuSOLVER's gesvd on a
+ * GPU): U, S and Vh as they come, k = min(m, n) > 0. */
+static int FN(svd_drivers)(const T *A, int m, int n, T *U, RT *S, T *Vh, pb_err_t *err)
+{
+    const int k = m < n ? m : n;
+    if (pb_exec_gpu() >= 0)
+        return FN(svd_cusolver)(A, m, n, U, S, Vh, true, err);
     /* W: A's copy for LAPACK to overwrite; U and Vh through LAPACK's
      * leading dimensions (FZ(pad)) */
     int ldw = FZ(lapack_ld)(m), ldu, ldv;
-    T *W = FZ(zalloc)((size_t)ldw * n), *ph = FZ(zalloc)((size_t)k);
+    T *W = FZ(zalloc)((size_t)ldw * n);
     T *Up = FZ(pad)(U, m, k, false, &ldu), *Vp = FZ(pad)(Vh, k, n, false, &ldv);
     RT *superb = FZ(ralloc)((size_t)k);
     int rc = PB_ENOMEM;
-    if (W && ph && Up && Vp && superb) {
+    if (W && Up && Vp && superb) {
         FZ(copy)(W, ldw, A, m, m, n);
         const char *drv = "gesdd"; /* the driver whose info is reported */
         lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'S', m, n, W, ldw, S, Up, ldu, Vp, ldv);
@@ -33,15 +66,25 @@ int FZ(svd_factor)(const T *A, int m, int n, T *U, RT *S, T *Vh, pb_err_t *err)
     }
     FZ(unpad)(Up, ldu, U, m, k, rc == 0);
     FZ(unpad)(Vp, ldv, Vh, k, n, rc == 0);
+    pb__fz_free(W);
+    pb__fz_free(superb);
+    return rc;
+}
+
+/* A = U·diag(S)·Vh, then the phases: U's columns by fix_phases, Vh's rows
+ * by the same phases. */
+int FZ(svd_factor)(const T *A, int m, int n, T *U, RT *S, T *Vh, pb_err_t *err)
+{
+    int k = m < n ? m : n;
+    if (k == 0)
+        return 0;
+    T *ph = FZ(zalloc)((size_t)k);
+    int rc = ph ? FN(svd_drivers)(A, m, n, U, S, Vh, err) : PB_ENOMEM;
     if (rc == 0) {
         FZ(fix_phases)(U, m, k, ph);
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < k; i++)
-                E(Vh, k, i, j) *= ph[i];
+        FZ_KERNEL(NULL, .kind = PB_GPU_FZ_ROWS_MUL, .m = k, .n = n, .ld = k, .x = Vh, .v = ph);
     }
-    pb_mem_free(W);
-    pb_mem_free(ph);
-    pb_mem_free(superb);
+    pb__fz_free(ph);
     return rc;
 }
 
@@ -68,13 +111,19 @@ static int FN(complete)(T *Qf, int m, int k, pb_err_t *err)
     return rc;
 }
 
-/* The rank r of S (descending): the last i with S_i ≥ atol, plus one. */
-static int FN(svd_rank)(const RT *S, int k, double atol)
+/* The rank r of S (descending): the last i with S_i ≥ atol, plus one;
+ * -1 when out of memory (S on a GPU is read through a host copy). */
+static int FN(svd_rank)(const RT *Sx, int k, double atol)
 {
+    RT *copy;
+    const RT *S = FZ(host_r)(Sx, k, &copy);
+    if (S == NULL)
+        return -1;
     int r = 0;
     for (int i = 0; i < k; i++)
         if ((double)S[i] >= atol)
             r = i + 1;
+    pb_mem_free(copy);
     return r;
 }
 
@@ -92,6 +141,8 @@ static int FN(svd_pullback)(const T *U, int m, int nu, const RT *S, int k, const
                             const RT *dS, const T *dVh, T *dA, double rank_atol, double deg_atol, double *gauge)
 {
     int r = FN(svd_rank)(S, k, rank_atol), cu = nu - k, cv = nv - k, c2 = cu > cv ? cu : cv;
+    if (r < 0)
+        return PB_ENOMEM;
     const bool uperp = dU && m > r, vperp = dVh && n > r; /* complements to project onto */
     double g = 0;
     if (dU)
@@ -99,15 +150,15 @@ static int FN(svd_pullback)(const T *U, int m, int nu, const RT *S, int k, const
     if (dVh)
         g = fmax(g, FZ(maxabs)(dVh, nv, r, k - r, 0, n));
     size_t big = (size_t)(m > n ? m : n) * (size_t)(r > 0 ? r : 1);
-    T *X = FZ(zalloc)((size_t)r * r), *Y = FZ(zalloc)((size_t)r * r), *K = FZ(zalloc)((size_t)r * r);
+    T *X = FZ(zalloc)((size_t)r * r), *Y = FZ(zalloc)((size_t)r * r);
     T *dUr = FZ(zalloc)((size_t)m * r), *dVr = FZ(zalloc)((size_t)r * n), *Z = FZ(zalloc)(big);
     T *C = FZ(zalloc)((size_t)(c2 > r ? c2 : r) * (size_t)(c2 > 0 ? c2 : 1));
     int rc = PB_ENOMEM;
     const T one = 1, zero = 0, mone = -1;
-    if (!(X && Y && K && dUr && dVr && Z && C))
+    if (!(X && Y && dUr && dVr && Z && C))
         goto out;
     if (dU) {
-        memcpy(dUr, dU, (size_t)m * r * sizeof(T));
+        FZ(copy)(dUr, m, dU, m, m, r);
         if (cu > 0) { /* completion columns U₂ = U[:, k:] */
             const T *U2 = U + (size_t)k * m, *dU2 = dU + (size_t)k * m;
             FZ(gemm)('C', 'N', cu, cu, m, one, U2, m, dU2, m, zero, C, cu);
@@ -134,55 +185,43 @@ static int FN(svd_pullback)(const T *U, int m, int nu, const RT *S, int k, const
     }
     FZ(antiherm)(X, r);
     FZ(antiherm)(Y, r);
-    for (int j = 0; j < r; j++)
-        for (int i = 0; i < r; i++) {
-            T a = E(X, r, i, j), b = E(Y, r, i, j);
-            double dm = (double)S[j] - (double)S[i], dp = (double)S[j] + (double)S[i];
-            T v = 0;
-            if (fabs(dm) < deg_atol)
-                g = fmax(g, ABS(a + b));
-            else
-                v += (T)((a + b) / dm);
-            if (fabs(dp) >= deg_atol)
-                v += (T)((a - b) / dp);
-            E(K, r, i, j) = v;
-        }
-    if (dS)
-        for (int i = 0; i < r; i++)
-            E(K, r, i, i) += dS[i];
+    /* K = (aX + aY)∘F⁻ + (aX − aY)∘F⁺ + diag(ΔS), in place of X */
+    T *K = X;
+    g = fmax(g, FZ_KERNEL(NULL, .kind = PB_GPU_FZ_SVD_F, .m = r, .n = r, .ld = r, .x = K, .y = Y, .w = S, .v = dS,
+                          .param = deg_atol));
     if (uperp) /* ΔA += (ΔUᵣ⊥ S⁻¹ + Uᵣ K)·Vhᵣ */
-        for (int j = 0; j < r; j++)
-            for (int i = 0; i < m; i++)
-                E(dUr, m, i, j) /= S[j];
+        FZ_KERNEL(NULL, .kind = PB_GPU_FZ_COLS_DIV, .m = m, .n = r, .ld = m, .x = dUr, .w = S);
     FZ(gemm)('N', 'N', m, r, r, one, U, m, K, r, uperp ? one : zero, dUr, m);
     FZ(gemm)('N', 'N', m, n, r, one, dUr, m, Vh, nv, one, dA, m);
     if (vperp) { /* ΔA += Uᵣ·S⁻¹·ΔVhᵣ⊥ */
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < r; i++)
-                E(dVr, r, i, j) /= S[i];
+        FZ_KERNEL(NULL, .kind = PB_GPU_FZ_ROWS_DIV, .m = r, .n = n, .ld = r, .x = dVr, .w = S);
         FZ(gemm)('N', 'N', m, n, r, one, U, m, dVr, r, one, dA, m);
     }
     rc = 0;
 out:
-    pb_mem_free(X);
-    pb_mem_free(Y);
-    pb_mem_free(K);
-    pb_mem_free(dUr);
-    pb_mem_free(dVr);
-    pb_mem_free(Z);
-    pb_mem_free(C);
+    pb__fz_free(X);
+    pb__fz_free(Y);
+    pb__fz_free(dUr);
+    pb__fz_free(dVr);
+    pb__fz_free(Z);
+    pb__fz_free(C);
     *gauge = g;
     return rc;
 }
 
 /* svd_trunc keeps the first r of S (descending): σ_i > max(atol, rtol·σ₁),
  * at most maxrank. */
-static int FN(svd_keep)(const RT *S, int k, const fz_opts_t *o)
+static int FN(svd_keep)(const RT *Sx, int k, const fz_opts_t *o)
 {
+    RT *copy;
+    const RT *S = FZ(host_r)(Sx, k, &copy);
+    if (S == NULL)
+        return -1;
     double thr = fmax(o->atol, o->rtol * (k > 0 ? (double)S[0] : 0.0));
     int r = 0;
     while (r < k && (long long)r < o->maxrank && (double)S[r] > thr)
         r++;
+    pb_mem_free(copy);
     return r;
 }
 
@@ -199,7 +238,7 @@ static int FN(svd_decompose)(const T *A, int m, int n, bool full, pb_tensor_t *s
     int rc = PB_ENOMEM;
     if (U && Vh && S && Vc && (rc = FZ(svd_factor)(A, m, n, U, S, Vc, err)) == 0) {
         if (!full)
-            memcpy(Vh, Vc, (size_t)k * n * sizeof(T));
+            FZ(copy)(Vh, k, Vc, k, k, n);
         else if ((Vf = FZ(zalloc)((size_t)n * n)) == NULL)
             rc = PB_ENOMEM;
         else {
@@ -208,8 +247,8 @@ static int FN(svd_decompose)(const T *A, int m, int n, bool full, pb_tensor_t *s
                 FZ(adjoint)(Vf, n, n, Vh);
         }
     }
-    pb_mem_free(Vc);
-    pb_mem_free(Vf);
+    pb__fz_free(Vc);
+    pb__fz_free(Vf);
     return rc;
 }
 
@@ -224,6 +263,8 @@ static int FN(svd_values)(const pb_call_t *c, T *A, int m, int n, pb_tensor_t *o
         return PB_ENOMEM;
     if (k == 0)
         return 0;
+    if (pb_exec_gpu() >= 0) /* cuSOLVER's gesvd without vectors */
+        return FN(svd_cusolver)(A, m, n, NULL, S, NULL, false, err);
     int ld = FZ(pad_here)(A, m, n);
     const char *drv = "gesdd"; /* the driver whose info is reported */
     lapack_int info = LAPACK(gesdd)(LAPACK_COL_MAJOR, 'N', m, n, A, ld, S, NULL, 1, NULL, 1);
@@ -251,7 +292,7 @@ static int FN(svd_fwd)(const pb_call_t *c, T *A, const fz_opts_t *op, pb_tensor_
     if (rc == 0 && var == FZ_TRUNC) {
         int *sel = pb_mem_alloc(sizeof(int) * (size_t)(k + 1)), r = FN(svd_keep)(pb_tensor_data(&sv[1]), k, op);
         rc = PB_ENOMEM;
-        if (sel) {
+        if (sel && r >= 0) {
             for (int i = 0; i < r; i++)
                 sel[i] = i;
             if (!pb__fz_take(&o[0], &sv[0], sel, r, false) && !pb__fz_take(&o[1], &sv[1], sel, r, false) &&
@@ -272,19 +313,18 @@ static int FN(svd_pad)(int m, int n, int k, int r, T **c0, T **c2, const RT *r1,
 {
     T *pu = *c0 ? FZ(zalloc)((size_t)m * k) : NULL, *pv = *c2 ? FZ(zalloc)((size_t)k * n) : NULL;
     if ((*c0 && !pu) || (*c2 && !pv) || (r1 && (*dS = FZ(ralloc)((size_t)k)) == NULL)) {
-        pb_mem_free(pu);
-        pb_mem_free(pv);
+        pb__fz_free(pu);
+        pb__fz_free(pv);
         return PB_ENOMEM;
     }
     if (pu)
-        memcpy(pu, *c0, (size_t)m * r * sizeof(T));
-    for (int j = 0; pv && j < n; j++)
-        for (int i = 0; i < r; i++)
-            E(pv, k, i, j) = E(*c2, r, i, j);
-    for (int i = 0; *dS && i < r; i++)
-        (*dS)[i] = r1[i];
-    pb_mem_free(*c0);
-    pb_mem_free(*c2);
+        FZ(copy)(pu, m, *c0, m, m, r);
+    if (pv)
+        FZ(copy)(pv, k, *c2, r, r, n);
+    if (*dS)
+        pb__fz_move(RDT, *dS, r1, (size_t)r);
+    pb__fz_free(*c0);
+    pb__fz_free(*c2);
     *c0 = pu;
     *c2 = pv;
     return 0;
@@ -323,10 +363,10 @@ static int FN(svd_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const fz
     rc = FN(svd_pullback)(pb_tensor_data(s0), m, nu, S, k, pb_tensor_data(s2), nv, n, c0, dS ? dS : r1, c2, dA,
                           op->rank_atol, op->deg_atol, gauge);
 out:
-    pb_mem_free(c0);
-    pb_mem_free(c2);
-    pb_mem_free(r1);
-    pb_mem_free(dS);
+    pb__fz_free(c0);
+    pb__fz_free(c2);
+    pb__fz_free(r1);
+    pb__fz_free(dS);
     return rc;
 }
 

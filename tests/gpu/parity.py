@@ -4,7 +4,9 @@ cuda:0 and on the CPU; forward results and gradients must agree to relative
 error 1e-12 (f64, c128) and 1e-5 (f32, c64; 1e-4 for the factorizations, as
 their issue has it), measured against the largest element.  A factorization
 is compared in what its gauge leaves fixed (eigenvalues, V·diag(D)·Vᴴ) and
-its gradients for a gauge-invariant loss (V̄ = G·V, G Hermitian).
+its gradients for a gauge-invariant loss that no unitary factor makes
+constant: Σ_j w_j·v_jᴴ·G·v_j (V̄ = G·V·diag(w), G Hermitian; for the SVD
+the same of U's columns and Vh's rows).
 
 Run against a daemon that has a GPU (tests/gpu/run.sh), or one started with
 PULLBACKD_FAKE_CUDA (then the agreement is exact).  Prints one line per op
@@ -81,6 +83,18 @@ def hermitian(rng, m, dtype):
     return ((a + a.conj().T) / 2).astype(dtype)
 
 
+def with_spectrum(rng, m, n, dtype, values, same=False):
+    """Q₁·diag(values)·Q₂ᴴ for random orthonormal Q₁ (m×k), Q₂ (n×k; Q₁ when
+    same).  A factorization's pullback divides by gaps and (the SVD) by
+    the values: spread ones keep the CPU's and the GPU's rounding within
+    the bound, where a Gaussian matrix's near-degenerate pairs amplify it
+    (by 1e4 in single precision, measured)."""
+    k = len(values)
+    q1 = np.linalg.qr(rand(rng, (m, k), np.complex128 if np.iscomplexobj(np.zeros(1, dtype)) else np.float64))[0]
+    q2 = q1 if same else np.linalg.qr(rand(rng, (n, k), q1.dtype))[0]
+    return ((q1 * values) @ q2.conj().T).astype(dtype)
+
+
 def eigh_view(out):
     """What eigh's gauge leaves fixed: D, and V·diag(D)·Vᴴ (the kept part)."""
     view = {"D": out["D"]}
@@ -92,7 +106,8 @@ def eigh_view(out):
 
 def eigh_cases(rng, dtype, maxrank=None):
     for m, order in itertools.product((12, 40), "CF"):
-        A = hermitian(rng, m, dtype)
+        A = with_spectrum(rng, m, m, dtype, np.linspace(-2, 2, m) + 0.01, same=True)
+        A = ((A + A.conj().T) / 2).astype(dtype)
         if order == "F":
             A = np.asfortranarray(A)
         G = hermitian(rng, m, dtype)
@@ -100,11 +115,42 @@ def eigh_cases(rng, dtype, maxrank=None):
 
         def cot(out, G=G, dD=dD):
             c = {"D": dD.astype(out["D"].dtype)}
-            if "V" in out:  # the gradient of Re tr(Vᴴ·G·V) / 2: no gauge part
-                c["V"] = (G @ out["V"]).astype(dtype)
+            if "V" in out:  # Σ_j w_j·v_jᴴ·G·v_j / 2: no gauge part
+                w = np.linspace(1, 2, out["V"].shape[1])
+                c["V"] = (G @ out["V"] * w).astype(dtype)
             return c
         options = {} if maxrank is None else {"maxrank": maxrank}
         yield f"{m}x{m} order {order}", {"A": A}, options, cot, order, [("A",)]
+
+
+def svd_view(out):
+    """What the SVD's gauge leaves fixed: S, U·diag(S)·Vh and U·Uᴴ."""
+    view = {"S": out["S"]}
+    if "U" in out:
+        U, Vh = out["U"].astype(np.complex128), out["Vh"].astype(np.complex128)
+        view["U·diag(S)·Vh"] = (U * out["S"]) @ Vh
+        view["U·Uᴴ"] = U @ U.conj().T
+    return view
+
+
+def svd_cases(rng, dtype, maxrank=None):
+    for (m, n), order in itertools.product(((12, 7), (7, 12), (40, 28), (16, 16)), "CF"):
+        A = with_spectrum(rng, m, n, dtype, np.linspace(3, 1, min(m, n)))
+        if order == "F":
+            A = np.asfortranarray(A)
+        G, H = hermitian(rng, m, dtype), hermitian(rng, n, dtype)
+        k = min(m, n) if maxrank is None else min(m, n, maxrank)
+        dS = rng.standard_normal(k)
+
+        def cot(out, G=G, H=H, dS=dS):
+            c = {"S": dS.astype(out["S"].dtype)}
+            if "U" in out:  # Σ_j w_j·(u_jᴴ·G·u_j + v_jᴴ·H·v_j) / 2: no gauge part
+                w = np.linspace(1, 2, out["U"].shape[1])
+                c["U"] = (G @ out["U"] * w).astype(dtype)
+                c["Vh"] = (w[:, None] * out["Vh"] @ H).astype(dtype)
+            return c
+        options = {} if maxrank is None else {"maxrank": maxrank}
+        yield f"{m}x{n} order {order}", {"A": A}, options, cot, order, [("A",)]
 
 
 def sweep(path):
@@ -144,8 +190,11 @@ def _sweep(c):
     makers = {"fused_dense": (fused_dense_cases, REAL), "tensoradd": (add_cases, ALL),
               "tensortrace": (trace_cases, ALL), "tensorcontract": (contract_cases, ALL),
               "eigh_full": (eigh_cases, ALL), "eigh_vals": (eigh_cases, ALL),
-              "eigh_trunc": (lambda r, d: eigh_cases(r, d, maxrank=5), ALL)}
-    views = {"eigh_full": eigh_view, "eigh_vals": eigh_view, "eigh_trunc": eigh_view}
+              "eigh_trunc": (lambda r, d: eigh_cases(r, d, maxrank=5), ALL),
+              "svd_compact": (svd_cases, ALL), "svd_vals": (svd_cases, ALL),
+              "svd_trunc": (lambda r, d: svd_cases(r, d, maxrank=5), ALL)}
+    views = {"eigh_full": eigh_view, "eigh_vals": eigh_view, "eigh_trunc": eigh_view,
+             "svd_compact": svd_view, "svd_vals": svd_view, "svd_trunc": svd_view}
     factor_tol = {np.float64: 1e-12, np.float32: 1e-4, np.complex128: 1e-12, np.complex64: 1e-4}
     for name in gpu_ops:
         if name not in makers:

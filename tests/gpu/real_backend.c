@@ -9,8 +9,13 @@
  * repeatable bit for bit) against host loops.  fz: every kind in all four dtypes against
  * host loops (ld > m, NaN padding left alone, the scaled and hypot passes, ties in phases,
  * zero sizes); syevd with and without vectors in all four dtypes (A·V = V·diag(w), VᴴV = I,
- * w ascending, bitwise repeatable, only the lower triangle read; n = 0).  Exits 77 (skip)
- * with "no CUDA device" when the module is missing or finds no GPU. */
+ * w ascending, bitwise repeatable, only the lower triangle read; n = 0).  The newer fz
+ * kinds: phases' v (conj of the rounded phase, 1 - 0i for a zero column), rows_mul,
+ * cols_div, rows_div and svd_f (degenerate pairs, dp = 0, with and without dS, y left
+ * alone) in all four dtypes, ld > m.  gesvd with and without vectors in f64, c128 and f32
+ * on a tall 9×5 (lda 11) and a square 6×6 matrix (U·diag(s)·Vᴴ = A, UᴴU = I, VᴴV = I,
+ * s descending and >= 0, the values alone the same; m = 0, n = 0; m < n refused).  Exits
+ * 77 (skip) with "no CUDA device" when the module is missing or finds no GPU. */
 #include <complex.h>
 #include <math.h>
 #include <pthread.h>
@@ -492,8 +497,11 @@ static void fz_square(int dt, int ld)
 }
 
 /* phases on a 7×5 matrix (ld 8): a random column, a zero column (stays
- * exactly), a tie between rows 2 and 5 (the first wins), random ones. */
-static void fz_phases(int dt)
+ * exactly), a tie between rows 2 and 5 (the first wins), random ones;
+ * without v, then with it: v_j = conj(p_j) of the rounded p_j, p_j =
+ * conj(x_best)/|x_best| (1 - 0i, bit for bit as the CPU's, for the zero
+ * column). */
+static void fz_phases(int dt, int with_v)
 {
     enum { M = 7, C = 5, LD = 8 };
     const double tol = fz_tol[dt];
@@ -502,7 +510,7 @@ static void fz_phases(int dt)
         hset(dt, h, (size_t)LD + i, 0);
     hset(dt, h, 2 * LD + 2, dt >= 2 ? CMPLX(0.5, -0.75) : 0.75);
     hset(dt, h, 2 * LD + 5, dt >= 2 ? CMPLX(-0.75, 0.5) : -0.75);
-    double complex *z = as_z(dt, h, (size_t)LD * C), *want = malloc(sizeof *want * LD * C);
+    double complex *z = as_z(dt, h, (size_t)LD * C), *want = malloc(sizeof *want * LD * C), vw[C];
     memcpy(want, z, sizeof *want * LD * C);
     int bests[C];
     for (int j = 0; j < C; j++) {
@@ -516,14 +524,29 @@ static void fz_phases(int dt)
         bests[j] = best;
         double r = sqrt(big);
         double complex p = r > 0 ? conj(z[j * LD + best]) / r : 1;
+        vw[j] = conj(p);
         for (int i = 0; i < M; i++)
             want[j * LD + i] = z[j * LD + i] * p;
         want[j * LD + best] = cabs(z[j * LD + best]);
     }
     CHECK(bests[2] == 2);
-    void *d = dalloc_copy(h, esz[dt] * LD * C);
-    RC(G->fz(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_PHASES, .dtype = dt, .m = M, .n = C, .ld = LD, .x = d}, NULL));
-    same_mat(dt, d, want, LD, C, tol, "phases");
+    void *d = dalloc_copy(h, esz[dt] * LD * C), *dv = NULL;
+    if (with_v) {
+        void *junk = hmat(dt, C, 1, C, 3u, 9.0);
+        dv = dalloc_copy(junk, esz[dt] * C);
+        free(junk);
+    }
+    RC(G->fz(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_PHASES, .dtype = dt, .m = M, .n = C, .ld = LD, .x = d, .v = dv}, NULL));
+    same_mat(dt, d, want, LD, C, tol, with_v ? "phases (v)" : "phases");
+    if (with_v) {
+        same_mat(dt, dv, vw, C, 1, tol, "phases' v");
+        void *hv = malloc(esz[dt] * C);
+        RC(G->d2h(hv, dv, esz[dt] * C));
+        double complex v1 = hget(dt, hv, 1); /* the zero column's */
+        CHECK(creal(v1) == 1 && cimag(v1) == 0 && (dt < 2 || signbit(cimag(v1))));
+        free(hv);
+        G->free(0, dv);
+    }
     void *back = malloc(esz[dt] * LD * C);
     RC(G->d2h(back, d, esz[dt] * LD * C));
     for (int j = 0; j < C; j++) {
@@ -536,13 +559,118 @@ static void fz_phases(int dt)
     free(h); free(z); free(want); free(back);
 }
 
+/* rows_mul, cols_div and rows_div on a 5×4 matrix (ld 7: NaN padding
+ * left alone): v of the dtype (m values), w real (n or m values, some
+ * negative, none 0). */
+static void fz_scale_kinds(int dt)
+{
+    enum { M = 5, C = 4, LD = 7 };
+    const double tol = fz_tol[dt];
+    const int rdt = dt == 2 ? 0 : dt == 3 ? 1 : dt;
+    void *h = hmat(dt, M, C, LD, 51u + dt, 2.0), *hv = hmat(dt, M, 1, M, 52u + dt, 1.5);
+    double complex *z = as_z(dt, h, (size_t)LD * C), *vz = as_z(dt, hv, M), *want = malloc(sizeof *want * LD * C);
+    double wr[M] = {0.75, -1.25, 3.0, -0.375, 1.0 / 3};
+    void *hw = malloc(esz[rdt] * M);
+    for (int i = 0; i < M; i++)
+        hset(rdt, hw, i, wr[i]);
+    for (int i = 0; i < M; i++) /* as the device reads them */
+        wr[i] = creal(hget(rdt, hw, i));
+    size_t bytes = esz[dt] * LD * C;
+    void *d = dalloc_copy(h, bytes), *dv = dalloc_copy(hv, esz[dt] * M), *dw = dalloc_copy(hw, esz[rdt] * M);
+    for (int kind = 0; kind < 3; kind++) {
+        static const char *const what[3] = {"rows_mul", "cols_div", "rows_div"};
+        RC(G->h2d(d, h, bytes));
+        memcpy(want, z, sizeof *want * LD * C);
+        for (int j = 0; j < C; j++)
+            for (int i = 0; i < M; i++)
+                want[j * LD + i] = kind == 0 ? z[j * LD + i] * vz[i] : z[j * LD + i] / wr[kind == 1 ? j : i];
+        pb_gpu_fz_t k = {.kind = kind == 0 ? PB_GPU_FZ_ROWS_MUL : kind == 1 ? PB_GPU_FZ_COLS_DIV : PB_GPU_FZ_ROWS_DIV,
+                         .dtype = dt, .m = M, .n = C, .ld = LD, .x = d};
+        if (kind == 0)
+            k.v = dv;
+        else
+            k.w = dw;
+        RC(G->fz(&k, NULL));
+        same_mat(dt, d, want, LD, C, tol, what[kind]);
+        /* zero size: nothing read */
+        k.m = 0;
+        k.x = NULL;
+        RC(G->fz(&k, NULL));
+    }
+    G->free(0, d); G->free(0, dv); G->free(0, dw);
+    free(h); free(hv); free(hw); free(z); free(vz); free(want);
+}
+
+/* svd_f on a 6×6 pair (ld 8, NaN padding): S descending with an equal
+ * pair (1, 2), a near one (3, 4) and a 0 last (its dp = 0 too); deg
+ * 1e-3, then 1/256 (the near pair degenerate too); with dS, then without;
+ * y unchanged. */
+static void fz_svd_f(int dt)
+{
+    enum { N = 6, LD = 8 };
+    const double tol = fz_tol[dt];
+    const int rdt = dt == 2 ? 0 : dt == 3 ? 1 : dt;
+    const double sv[N] = {3, 2, 2, 1 + 1.0 / 512, 1, 0};
+    void *hx = hmat(dt, N, N, LD, 61u + dt, 1.0), *hy = hmat(dt, N, N, LD, 62u + dt, 1.0);
+    double complex *x = as_z(dt, hx, (size_t)LD * N), *y = as_z(dt, hy, (size_t)LD * N);
+    double complex *want = malloc(sizeof *want * LD * N);
+    void *hs = malloc(esz[rdt] * N), *hds = malloc(esz[rdt] * N);
+    double ds[N];
+    for (int i = 0; i < N; i++) {
+        hset(rdt, hs, i, sv[i]);
+        hset(rdt, hds, i, 0.25 * i - 0.5);
+        ds[i] = creal(hget(rdt, hds, i));
+    }
+    size_t bytes = esz[dt] * LD * N;
+    void *dx = dalloc_copy(hx, bytes), *dy = dalloc_copy(hy, bytes);
+    void *dsv = dalloc_copy(hs, esz[rdt] * N), *dds = dalloc_copy(hds, esz[rdt] * N);
+    for (int c = 0; c < 3; c++) {
+        const double deg = c == 1 ? 1.0 / 256 : 1e-3;
+        const int with_ds = c != 2;
+        double g = 0, out[2] = {-1, -1};
+        RC(G->h2d(dx, hx, bytes));
+        memcpy(want, x, sizeof *want * LD * N);
+        for (int j = 0; j < N; j++)
+            for (int i = 0; i < N; i++) {
+                double complex a = x[j * LD + i], b = y[j * LD + i], v = 0;
+                double dm = sv[j] - sv[i], dp = sv[j] + sv[i];
+                if (fabs(dm) < deg)
+                    g = fmax(g, cabs(a + b));
+                else
+                    v += (a + b) / dm;
+                if (fabs(dp) >= deg)
+                    v += (a - b) / dp;
+                want[j * LD + i] = v + (with_ds && i == j ? ds[i] : 0);
+            }
+        fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_SVD_F, .dtype = dt, .m = N, .n = N, .ld = LD, .x = dx, .y = dy,
+                              .w = dsv, .v = with_ds ? dds : NULL, .param = deg}, out);
+        char what[32];
+        snprintf(what, sizeof what, "svd_f case %d", c);
+        same_mat(dt, dx, want, LD, N, tol, what);
+        if (!close_enough(out[0], g, tol) || out[1] != 1) { fails++; printf("fz svd_f dt %d case %d gauge %.17g want %.17g\n", dt, c, out[0], g); }
+    }
+    void *back = malloc(bytes);
+    RC(G->d2h(back, dy, bytes));
+    for (int k = 0; k < LD * N; k++)
+        if (memcmp((char *)back + esz[dt] * k, (char *)hy + esz[dt] * k, esz[dt]) != 0) { CHECK(!"svd_f wrote y"); break; }
+    /* zero size: {0, 1}, nothing read */
+    double out[2] = {5, 5};
+    fz_run(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_SVD_F, .dtype = dt, .m = 0, .n = 0, .ld = 1, .param = 1e-3}, out);
+    CHECK(out[0] == 0 && out[1] == 1);
+    G->free(0, dx); G->free(0, dy); G->free(0, dsv); G->free(0, dds);
+    free(hx); free(hy); free(x); free(y); free(want); free(hs); free(hds); free(back);
+}
+
 static void fz_checks(void)
 {
     for (int dt = 0; dt < 4; dt++) {
         fz_reductions(dt);
         fz_square(dt, 7);
         fz_square(dt, 9);
-        fz_phases(dt);
+        fz_phases(dt, 0);
+        fz_phases(dt, 1);
+        fz_scale_kinds(dt);
+        fz_svd_f(dt);
     }
 }
 
@@ -620,6 +748,92 @@ static void syevd_checks(void)
     int info = -1;
     RC(G->syevd(1, 1, 0, NULL, 1, NULL, &info));
     CHECK(info == 0);
+}
+
+/* gesvd in f64, c128 and f32 on a tall 9×5 matrix (lda 11, the rows past
+ * 9 garbage) and a square 6×6 one (lda 6): info 0, s descending and >= 0,
+ * U·diag(s)·Vᴴ = A, UᴴU = I and VᴴVᴴᴴ = I (relative 1e-12 f64 and c128,
+ * 1e-4 f32; U and Vᴴ with leading dimensions past m and n in the tall
+ * case), the values alone the same; m = 0 and n = 0; m < n refused. */
+static void gesvd_checks(void)
+{
+    static const int dts[3] = {1, 3, 0};
+    static const double tol[4] = {1e-4, 1e-12, 1e-4, 1e-12};
+    for (int t = 0; t < 3; t++)
+        for (int c = 0; c < 2; c++) {
+            const int dt = dts[t], rdt = dt == 2 ? 0 : dt == 3 ? 1 : dt;
+            const int m = c ? 6 : 9, n = c ? 6 : 5, lda = c ? 6 : 11, ldu = c ? m : m + 2, ldvt = c ? n : n + 1;
+            void *h = hmat(dt, m, n, lda, 71u + dt * 2 + c, 1.0);
+            for (int j = 0; j < n; j++) /* finite garbage past row m: never read */
+                for (int i = m; i < lda; i++)
+                    hset(dt, h, (size_t)j * lda + i, 5e3);
+            double anorm = 0;
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < m; i++) {
+                    double complex v = hget(dt, h, (size_t)j * lda + i);
+                    anorm += creal(v) * creal(v) + cimag(v) * cimag(v);
+                }
+            anorm = sqrt(anorm);
+            size_t ab = esz[dt] * lda * n, ub = esz[dt] * ldu * n, vb = esz[dt] * ldvt * n, sb = esz[rdt] * n;
+            void *da = dalloc_copy(h, ab), *ds = dalloc_copy(NULL, sb), *du = dalloc_copy(NULL, ub), *dvt = dalloc_copy(NULL, vb);
+            int info = -1;
+            RC(G->gesvd(dt, 1, m, n, da, lda, ds, du, ldu, dvt, ldvt, &info));
+            CHECK(info == 0);
+            void *hu = malloc(ub), *hvt = malloc(vb), *hs = malloc(sb), *hs2 = malloc(sb);
+            RC(G->d2h(hu, du, ub));
+            RC(G->d2h(hvt, dvt, vb));
+            RC(G->d2h(hs, ds, sb));
+            double sv[9];
+            for (int i = 0; i < n; i++) sv[i] = creal(hget(rdt, hs, i));
+            for (int i = 0; i < n; i++) CHECK(sv[i] >= 0 && (i == 0 || sv[i] <= sv[i - 1]));
+            double res = 0, uo = 0, vo = 0;
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < m; i++) { /* (U·diag(s)·Vᴴ)_ij */
+                    double complex r = 0;
+                    for (int k = 0; k < n; k++)
+                        r += hget(dt, hu, (size_t)k * ldu + i) * sv[k] * hget(dt, hvt, (size_t)j * ldvt + k);
+                    res = fmax(res, cabs(r - hget(dt, h, (size_t)j * lda + i)));
+                }
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < n; i++) {
+                    double complex uu = 0, vv = 0;
+                    for (int k = 0; k < m; k++) /* (UᴴU)_ij */
+                        uu += conj(hget(dt, hu, (size_t)i * ldu + k)) * hget(dt, hu, (size_t)j * ldu + k);
+                    for (int k = 0; k < n; k++) /* (Vᴴ·V)_ij: the rows of Vᴴ */
+                        vv += hget(dt, hvt, (size_t)k * ldvt + i) * conj(hget(dt, hvt, (size_t)k * ldvt + j));
+                    uo = fmax(uo, cabs(uu - (i == j)));
+                    vo = fmax(vo, cabs(vv - (i == j)));
+                }
+            if (res > tol[dt] * anorm || uo > tol[dt] || vo > tol[dt]) { fails++; printf("gesvd dt %d %dx%d: |USVh - A| %.3g (|A| %.3g), |UᴴU - I| %.3g, |VᴴV - I| %.3g\n", dt, m, n, res, anorm, uo, vo); }
+            /* the values alone, from A again */
+            RC(G->h2d(da, h, ab));
+            RC(G->zero(ds, sb));
+            info = -1;
+            RC(G->gesvd(dt, 0, m, n, da, lda, ds, NULL, 1, NULL, 1, &info));
+            CHECK(info == 0);
+            RC(G->d2h(hs2, ds, sb));
+            for (int i = 0; i < n; i++)
+                if (fabs(creal(hget(rdt, hs2, i)) - sv[i]) > tol[dt] * anorm) { fails++; printf("gesvd values dt %d %dx%d: s[%d] %.17g want %.17g\n", dt, m, n, i, creal(hget(rdt, hs2, i)), sv[i]); }
+            G->free(0, da); G->free(0, ds); G->free(0, du); G->free(0, dvt);
+            free(h); free(hu); free(hvt); free(hs); free(hs2);
+        }
+    /* empty: info 0, nothing read or written */
+    int info = -1;
+    RC(G->gesvd(1, 1, 0, 0, NULL, 1, NULL, NULL, 1, NULL, 1, &info));
+    CHECK(info == 0);
+    info = -1;
+    RC(G->gesvd(3, 1, 4, 0, NULL, 4, NULL, NULL, 4, NULL, 1, &info));
+    CHECK(info == 0);
+    info = -1;
+    RC(G->gesvd(0, 0, 4, 0, NULL, 4, NULL, NULL, 1, NULL, 1, &info));
+    CHECK(info == 0);
+    /* wide: refused (the caller transposes), the device still fine */
+    void *da = dalloc_copy(NULL, 8 * 3 * 5), *ds = dalloc_copy(NULL, 8 * 3), *du = dalloc_copy(NULL, 8 * 3 * 3), *dvt = dalloc_copy(NULL, 8 * 5 * 5);
+    info = -7;
+    CHECK(G->gesvd(1, 1, 3, 5, da, 3, ds, du, 3, dvt, 5, &info) == PB_EINTERNAL);
+    CHECK(G->gesvd(1, 0, 3, 5, da, 3, ds, NULL, 1, NULL, 1, &info) == PB_EINTERNAL);
+    CHECK(info == -7 && !G->failed(0));
+    G->free(0, da); G->free(0, ds); G->free(0, du); G->free(0, dvt);
 }
 
 int main(void)
@@ -743,6 +957,7 @@ int main(void)
     dot_checks();
     fz_checks();
     syevd_checks();
+    gesvd_checks();
     RC(G->sync());
     CHECK(G->used(0) == 0);
     CHECK(!G->failed(0));

@@ -163,6 +163,28 @@ class FakeGpu(GpuCase):
         self.assertCode("shape_mismatch", self.c.forward, "eigh_vals", {"A": A[:, :4]}, device="cuda")
         self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
 
+    def test_svd_on_the_gpu(self):
+        """The SVD's rule on cuda: tall and wide A (cuSOLVER's gesvd takes
+        the wide one transposed), check's finite differences, its tape in
+        device memory."""
+        for dtype, tol in ((np.float64, 1e-6), (np.complex128, 1e-6), (np.float32, 1e-2)):
+            for shape in ((7, 4), (4, 7)):
+                A = self.rng.standard_normal(shape).astype(dtype)
+                if dtype == np.complex128:
+                    A = A + 1j * self.rng.standard_normal(shape)
+                for op in ("svd_compact", "svd_vals", "svd_trunc"):
+                    options = {"maxrank": 2} if op == "svd_trunc" else {}
+                    r = self.c.check(op, {"A": A}, wrt=["A"], options=options, device="cuda")
+                    self.assertLess(r["max_rel_err"], tol, f"{op} {dtype.__name__} {shape}: {r}")
+                out = self.c.forward("svd_compact", {"A": A}, device="cuda")
+                np.testing.assert_allclose((out["U"] * out["S"]) @ out["Vh"], A, atol=1e-5)
+                np.testing.assert_allclose(out["S"], np.linalg.svd(A, compute_uv=False), rtol=1e-5)
+        out, tape = self.c.augmented_forward("svd_compact", {"A": A}, wrt=["A"], device="cuda:1")
+        d = self.device("cuda:1")
+        self.assertEqual((d["tapes"], d["tape_bytes"]), (1, 4 * (4 * 4 + 4 + 4 * 7)))
+        self.c.reverse(tape, {"S": np.ones(4, np.float32)})
+        self.assertEqual(self.device("cuda:1")["used_bytes"], 0)
+
     def test_tapes_live_in_device_memory(self):
         W, x, b = self.data(out=16, inn=16, batch=8)
         y, tape = self.c.augmented_forward("fused_dense", {"weight": W, "x": x, "bias": b}, wrt=["weight", "x"],
@@ -248,7 +270,7 @@ class FakeGpu(GpuCase):
                             device="cuda:2")
         self.assertIn("2 GPUs (cuda:0 to cuda:1)", e.message)
         self.assertCode("invalid_argument", self.c.forward, "fused_dense", {"weight": W, "x": x}, device="gpu")
-        e = self.assertCode("device_unavailable", self.c.forward, "svd_compact", {"A": W}, device="cuda")
+        e = self.assertCode("device_unavailable", self.c.forward, "svd_full", {"A": W}, device="cuda")
         self.assertIn("no implementation on this device", e.message)
         e = self.assertCode("device_unavailable", self.c.call, "register_buffer", {"size": 64, "device": "cuda:2"},
                             fds=[os.memfd_create("pb-fake-gpu:2")])
@@ -454,10 +476,11 @@ class SolverFailure(GpuCase):
 
     def test_numerical_error_with_info(self):
         A = np.eye(4) + 0.25
-        for op in ("eigh_full", "eigh_vals"):
+        for op in ("eigh_full", "eigh_vals", "svd_compact", "svd_vals", "svd_trunc"):
             e = self.assertCode("numerical_error", self.c.forward, op, {"A": A}, device="cuda")
             self.assertEqual(e.details.get("info"), 7, e.details)
-            self.assertIn("cuSOLVER dsyevd did not converge (info 7)", e.message)
+            solver = "dsyevd" if op.startswith("eigh") else "dgesvd"
+            self.assertIn(f"cuSOLVER {solver} did not converge (info 7)", e.message)
         np.testing.assert_allclose(self.c.forward("eigh_vals", {"A": A})["D"], [1, 1, 1, 2])
         self.assertEqual(self.device("cuda:0")["used_bytes"], 0)
         self.assertFalse(self.device("cuda:0")["failed"])
