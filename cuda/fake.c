@@ -565,11 +565,12 @@ static int fake_fz(const pb_gpu_fz_t *k, double out[2])
     int rc = stream_call("fz");
     if (rc)
         return rc;
-    if (k->dtype < 0 || k->dtype > 3 || k->kind < PB_GPU_FZ_AMAX || k->kind > PB_GPU_FZ_SVD_F)
+    if (k->dtype < 0 || k->dtype > 3 || k->kind < PB_GPU_FZ_AMAX || k->kind > PB_GPU_FZ_COLS_PINV)
         fake_abort("fz: dtype %d, kind %d", k->dtype, k->kind);
     const int kind = k->kind;
     bool square = kind == PB_GPU_FZ_HERM_GAP || kind == PB_GPU_FZ_HERMITIZE || kind == PB_GPU_FZ_ANTIHERM ||
-                  kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F;
+                  kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F || kind == PB_GPU_FZ_MIRROR_LOWER ||
+                  kind == PB_GPU_FZ_POLAR_F;
     bool reduces = kind <= PB_GPU_FZ_HERM_GAP || kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F;
     if (square && k->m != k->n)
         fake_abort("fz: kind %d needs a square matrix, given %d × %d", k->kind, k->m, k->n);
@@ -586,15 +587,16 @@ static int fake_fz(const pb_gpu_fz_t *k, double out[2])
     }
     h.x = dev_ptr(k->x, xb, "fz x");
     /* the vectors each kind takes, of its length and element */
-    size_t wlen = kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F || kind == PB_GPU_FZ_COLS_DIV ? (size_t)k->n
-                  : kind == PB_GPU_FZ_ROWS_DIV                                                     ? (size_t)k->m
-                                                                                                   : 0;
+    size_t wlen = kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F || kind == PB_GPU_FZ_COLS_DIV ||
+                          kind == PB_GPU_FZ_COLS_MUL || kind == PB_GPU_FZ_POLAR_F || kind == PB_GPU_FZ_COLS_PINV
+                      ? (size_t)k->n
+                  : kind == PB_GPU_FZ_ROWS_DIV || kind == PB_GPU_FZ_ROWS_SQRT_MUL ? (size_t)k->m
+                                                                                  : 0;
     size_t vlen = kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F ? (size_t)k->n * res
                   : kind == PB_GPU_FZ_PHASES                          ? (size_t)k->n * es
                   : kind == PB_GPU_FZ_ROWS_MUL                        ? (size_t)k->m * es
                                                                       : 0;
-    bool needs = kind == PB_GPU_FZ_ROWS_MUL || kind == PB_GPU_FZ_COLS_DIV || kind == PB_GPU_FZ_ROWS_DIV ||
-                 kind == PB_GPU_FZ_SVD_F;
+    bool needs = kind == PB_GPU_FZ_ROWS_MUL || (wlen && kind != PB_GPU_FZ_EIGH_F);
     if ((k->w && !wlen) || (k->v && !vlen) || (k->y && kind != PB_GPU_FZ_SVD_F) ||
         (needs && !(kind == PB_GPU_FZ_ROWS_MUL ? k->v : k->w)) || (kind == PB_GPU_FZ_SVD_F && !k->y))
         fake_abort("fz: kind %d given w %p, v %p, y %p", kind, k->w, k->v, k->y);

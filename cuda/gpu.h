@@ -117,6 +117,21 @@ typedef enum pb_gpu_fz_kind {
      * unless |dp| < param; then x_ii += v_i when v (n values of the real
      * dtype) is not NULL.  y is read only */
     PB_GPU_FZ_SVD_F,
+    /* x_ij = sqrt(w_i)·x_ij, the square root and the product in double,
+     * rounded once to the dtype: w, m values of the real dtype */
+    PB_GPU_FZ_ROWS_SQRT_MUL,
+    /* x_ij = x_ij·w_j in the dtype: w, n values of the real dtype */
+    PB_GPU_FZ_COLS_MUL,
+    /* square x: x_jj = re(x_jj), x_ji = conj(x_ij) for i > j (the upper
+     * triangle from the lower: a Hermitian matrix from its lower half) */
+    PB_GPU_FZ_MIRROR_LOWER,
+    /* the polar pullback's Sylvester solve in P's eigenbasis (square x, w
+     * the n values): s = w_i + w_j in double, x_ij = x_ij/s (in double,
+     * rounded once) where |s| >= param, else 0 */
+    PB_GPU_FZ_POLAR_F,
+    /* x_ij = x_ij/w_j in the dtype where |w_j| >= param, else 0 (a
+     * pseudo-inverse's columns): w, n values of the real dtype */
+    PB_GPU_FZ_COLS_PINV,
 } pb_gpu_fz_kind_t;
 
 typedef struct pb_gpu_fz {
@@ -179,7 +194,7 @@ typedef struct pb_gpu_backend {
     /* Stream: dst[i] = alpha·op(src[i]) + beta·src2[i] over L (strides
      * s[0] dst, s[1] src, s[2] src2), op(x) = conj(x) when conj (complex
      * dtypes); src2 NULL drops the beta term (src2 is not read).  dst may
-     * be src with the same strides.  With accumulate, dst[i] +=
+     * be src with the same strides when src2 is NULL.  With accumulate, dst[i] +=
      * alpha·op(src[i]) (src2 unused) and dst strides may be 0: each dst
      * element then sums its share of the indices in a fixed order (no
      * atomics; the result does not depend on the launch).  alpha and beta
@@ -236,7 +251,7 @@ const pb_gpu_backend_t *pb__gpu_real(const char **why);
  * instead of called through the wrong slots: bump it with every change
  * to the table. */
 typedef const pb_gpu_backend_t *pb_gpu_module_fn(void);
-#define PB_GPU_MODULE_FN pb__gpu_real_backend_v3
+#define PB_GPU_MODULE_FN pb__gpu_real_backend_v4
 
 #ifdef __cplusplus
 }

@@ -932,6 +932,20 @@ template <typename T> __device__ __forceinline__ T div_by(T x, double d)
     return from_parts<T>(__ddiv_rn(re_of(x), d), __ddiv_rn(im_of(x), d));
 }
 
+/* (T)(d * x) for a double d: each part times d in double, rounded once
+ * (C's double × T, a real times a complex part by part in GCC). */
+template <typename T> __device__ __forceinline__ T mul_by(T x, double d)
+{
+    return from_parts<T>(__dmul_rn(d, re_of(x)), __dmul_rn(d, im_of(x)));
+}
+
+/* x·r for a real r of T's real type, each part by itself in that type:
+ * C's T × RT. */
+__device__ __forceinline__ float mul_re(float x, float r) { return e_mul(x, r); }
+__device__ __forceinline__ double mul_re(double x, double r) { return e_mul(x, r); }
+__device__ __forceinline__ cf mul_re(cf x, float r) { return {e_mul(x.re, r), e_mul(x.im, r)}; }
+__device__ __forceinline__ cd mul_re(cd x, double r) { return {e_mul(x.re, r), e_mul(x.im, r)}; }
+
 /* x += r for a real r: the real part alone, in T's real type. */
 __device__ __forceinline__ float add_re(float x, float r) { return e_add(x, r); }
 __device__ __forceinline__ double add_re(double x, double r) { return e_add(x, r); }
@@ -1205,6 +1219,74 @@ __global__ void k_fz_div(T *x, size_t m, size_t n, size_t ld, const real_t<T> *w
         size_t i, j;
         T *p = fz_at(x, idx, m, ld, &i, &j);
         *p = div_re(*p, w[cols ? j : i]);
+    }
+}
+
+/* ROWS_SQRT_MUL: x_ij = (T)(sqrt(w_i)·x_ij), the root (correctly rounded,
+ * as glibc's) and the product in double, rounded once to T. */
+template <typename T> __global__ void k_fz_rows_sqrt_mul(T *x, size_t m, size_t n, size_t ld, const real_t<T> *w)
+{
+    GRID_STRIDE(idx, m * n)
+    {
+        size_t i, j;
+        T *p = fz_at(x, idx, m, ld, &i, &j);
+        *p = mul_by(*p, __dsqrt_rn((double)w[i]));
+    }
+}
+
+/* COLS_MUL: x_ij = x_ij·w_j in T's precision. */
+template <typename T> __global__ void k_fz_cols_mul(T *x, size_t m, size_t n, size_t ld, const real_t<T> *w)
+{
+    GRID_STRIDE(idx, m * n)
+    {
+        size_t i, j;
+        T *p = fz_at(x, idx, m, ld, &i, &j);
+        *p = mul_re(*p, w[j]);
+    }
+}
+
+/* MIRROR_LOWER: one thread a lower entry i > j, which it reads and
+ * conjugates into x_ji; the diagonal to its real part.  The lower
+ * triangle is only read, so no entry is both read and written. */
+template <typename T> __global__ void k_fz_mirror_lower(T *x, size_t n, size_t ld)
+{
+    GRID_STRIDE(idx, n * n)
+    {
+        size_t i, j;
+        T *p = fz_at(x, idx, n, ld, &i, &j);
+        if (i < j)
+            continue;
+        if (i == j)
+            *p = from_parts<T>(re_of(*p), 0);
+        else
+            x[i * ld + j] = e_conj(*p);
+    }
+}
+
+/* POLAR_F: s = w_i + w_j in double; x_ij = (T)(x_ij/s) (the quotient in
+ * double) where |s| >= tol, else +0. */
+template <typename T> __global__ void k_fz_polar_f(T *x, size_t n, size_t ld, const real_t<T> *w, double tol)
+{
+    GRID_STRIDE(idx, n * n)
+    {
+        size_t i, j;
+        T *p = fz_at(x, idx, n, ld, &i, &j);
+        double s = __dadd_rn((double)w[i], (double)w[j]);
+        *p = fabs(s) >= tol ? div_by(*p, s) : T();
+    }
+}
+
+/* COLS_PINV: x_ij = x_ij/w_j in T's precision where |w_j| >= tol, else
+ * +0. */
+template <typename T>
+__global__ void k_fz_cols_pinv(T *x, size_t m, size_t n, size_t ld, const real_t<T> *w, double tol)
+{
+    GRID_STRIDE(idx, m * n)
+    {
+        size_t i, j;
+        T *p = fz_at(x, idx, m, ld, &i, &j);
+        real_t<T> r = w[j];
+        *p = fabs((double)r) >= tol ? div_re(*p, r) : T();
     }
 }
 
@@ -2261,6 +2343,24 @@ template <typename T> int fz_run(const pb_gpu_fz_t &k, double out[2])
         return launched("fz cols_div/rows_div kernel launch");
     case PB_GPU_FZ_SVD_F:
         return fz_svd_f<T>(k, out);
+    case PB_GPU_FZ_ROWS_SQRT_MUL:
+        k_fz_rows_sqrt_mul<T><<<blocks_for(m * n), THREADS, 0, t_w.stream>>>((T *)k.x, m, n, ld,
+                                                                             (const real_t<T> *)k.w);
+        return launched("fz rows_sqrt_mul kernel launch");
+    case PB_GPU_FZ_COLS_MUL:
+        k_fz_cols_mul<T><<<blocks_for(m * n), THREADS, 0, t_w.stream>>>((T *)k.x, m, n, ld, (const real_t<T> *)k.w);
+        return launched("fz cols_mul kernel launch");
+    case PB_GPU_FZ_MIRROR_LOWER:
+        k_fz_mirror_lower<T><<<blocks_for(n * n), THREADS, 0, t_w.stream>>>((T *)k.x, n, ld);
+        return launched("fz mirror_lower kernel launch");
+    case PB_GPU_FZ_POLAR_F:
+        k_fz_polar_f<T><<<blocks_for(n * n), THREADS, 0, t_w.stream>>>((T *)k.x, n, ld, (const real_t<T> *)k.w,
+                                                                      k.param);
+        return launched("fz polar_f kernel launch");
+    case PB_GPU_FZ_COLS_PINV:
+        k_fz_cols_pinv<T><<<blocks_for(m * n), THREADS, 0, t_w.stream>>>((T *)k.x, m, n, ld,
+                                                                         (const real_t<T> *)k.w, k.param);
+        return launched("fz cols_pinv kernel launch");
     }
     return internal("fz", "bad kind");
 }
@@ -2270,16 +2370,17 @@ int real_fz(const pb_gpu_fz_t *k, double out[2])
     int rc = worker_check("fz");
     if (rc)
         return rc;
-    if (!k || k->dtype < 0 || k->dtype > 3 || k->kind < PB_GPU_FZ_AMAX || k->kind > PB_GPU_FZ_SVD_F)
+    if (!k || k->dtype < 0 || k->dtype > 3 || k->kind < PB_GPU_FZ_AMAX || k->kind > PB_GPU_FZ_COLS_PINV)
         return internal("fz", "bad kernel, dtype or kind");
     const int kind = k->kind;
     bool reduces = kind <= PB_GPU_FZ_HERM_GAP || kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F;
     bool square = (kind >= PB_GPU_FZ_HERM_GAP && kind <= PB_GPU_FZ_ANTIHERM) || kind == PB_GPU_FZ_EIGH_F ||
-                  kind == PB_GPU_FZ_SVD_F;
+                  kind == PB_GPU_FZ_SVD_F || kind == PB_GPU_FZ_MIRROR_LOWER || kind == PB_GPU_FZ_POLAR_F;
     /* the vectors each kind reads (or, PHASES's v, writes) */
     bool takes_y = kind == PB_GPU_FZ_SVD_F;
     bool takes_w = kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_COLS_DIV || kind == PB_GPU_FZ_ROWS_DIV ||
-                   kind == PB_GPU_FZ_SVD_F;
+                   kind == PB_GPU_FZ_SVD_F || kind == PB_GPU_FZ_ROWS_SQRT_MUL || kind == PB_GPU_FZ_COLS_MUL ||
+                   kind == PB_GPU_FZ_POLAR_F || kind == PB_GPU_FZ_COLS_PINV;
     bool takes_v = kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_PHASES || kind == PB_GPU_FZ_ROWS_MUL ||
                    kind == PB_GPU_FZ_SVD_F;
     bool needs_w = takes_w && kind != PB_GPU_FZ_EIGH_F, needs_v = kind == PB_GPU_FZ_ROWS_MUL;

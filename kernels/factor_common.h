@@ -185,7 +185,11 @@ extern const char *const pb__fz_wrt_A[1];
 #define FZ_ROW(nm, var, outs, opts, nopts, val, fwd, rev, fdc, fdd)                                                        \
     FZ_ROW_ON(nm, var, outs, opts, nopts, val, fwd, rev, fdc, fdd, 1u << PB_DEV_CPU, NULL, NULL)
 /* The same on the CPU and the GPUs: a family whose body runs on a GPU's
- * execution device (cuda/exec.h) gives pb_gpu_shared_forward/_reverse. */
+ * execution device (cuda/exec.h) gives pb_gpu_shared_forward/_reverse
+ * (FZ_ROW_GPU; gpu_ops.h declares them). */
+#define FZ_ROW_GPU(nm, var, outs, opts, nopts, val, fwd, rev, fdc, fdd)                                                \
+    FZ_ROW_ON(nm, var, outs, opts, nopts, val, fwd, rev, fdc, fdd, (1u << PB_DEV_CPU) | (1u << PB_DEV_CUDA),          \
+              pb_gpu_shared_forward, pb_gpu_shared_reverse)
 #define FZ_ROW_ON(nm, var, outs, opts, nopts, val, fwd, rev, fdc, fdd, devs, gfwd, grev)                                \
     {                                                                                                                 \
         .name = nm, .variant = var, .inputs = pb__fz_in_A, .ninputs = 1, .outputs = outs, .noutputs = NELEM(outs),    \

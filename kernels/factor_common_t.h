@@ -317,6 +317,37 @@ void FZ(kernel_host)(const pb_gpu_fz_t *k, double out[2])
     case PB_GPU_FZ_SVD_F:
         out[0] = FN(svd_f_host)(x, k->y, ld, n, k->w, k->v, k->param);
         break;
+    case PB_GPU_FZ_ROWS_SQRT_MUL:
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++)
+                E(x, ld, i, j) = (T)(sqrt((double)((const RT *)k->w)[i]) * E(x, ld, i, j));
+        break;
+    case PB_GPU_FZ_COLS_MUL:
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++)
+                E(x, ld, i, j) = (T)(E(x, ld, i, j) * ((const RT *)k->w)[j]);
+        break;
+    case PB_GPU_FZ_MIRROR_LOWER:
+        for (int j = 0; j < n; j++) {
+            E(x, ld, j, j) = (T)RE(E(x, ld, j, j));
+            for (int i = j + 1; i < n; i++)
+                E(x, ld, j, i) = CONJ(E(x, ld, i, j));
+        }
+        break;
+    case PB_GPU_FZ_POLAR_F:
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < n; i++) {
+                double s = (double)((const RT *)k->w)[i] + (double)((const RT *)k->w)[j];
+                E(x, ld, i, j) = (T)(fabs(s) >= k->param ? E(x, ld, i, j) / s : 0);
+            }
+        break;
+    case PB_GPU_FZ_COLS_PINV:
+        for (int j = 0; j < n; j++) {
+            RT w = ((const RT *)k->w)[j];
+            for (int i = 0; i < m; i++)
+                E(x, ld, i, j) = (T)(fabs((double)w) >= k->param ? E(x, ld, i, j) / w : 0);
+        }
+        break;
     }
 }
 

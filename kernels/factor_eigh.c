@@ -47,8 +47,7 @@ static const char *const out_DV[] = {"D", "V"}, *const out_D[] = {"D"};
 
 /* On the GPUs too: the body runs there unchanged (factor_common.h). */
 #define EIGH_ROW(nm, var, outs, opts, fd)                                                                              \
-    FZ_ROW_ON(nm, var, outs, opts, NELEM(opts), eigh_validate, eigh_forward, eigh_reverse, fd, eigh_direction,       \
-              (1u << PB_DEV_CPU) | (1u << PB_DEV_CUDA), pb_gpu_shared_forward, pb_gpu_shared_reverse)
+    FZ_ROW_GPU(nm, var, outs, opts, NELEM(opts), eigh_validate, eigh_forward, eigh_reverse, fd, eigh_direction)
 const pb_op_t pb_fz_eigh_ops[] = {
     EIGH_ROW("eigh_full", FZ_FULL, out_DV, o_eigh, eigh_fd),
     EIGH_ROW("eigh_vals", FZ_VALS, out_D, o_eigh_vals, NULL),

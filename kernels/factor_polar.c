@@ -2,6 +2,7 @@
  * m ≤ n), through the SVD (factor_polar_t.h holds the math for one
  * dtype).  The gauge-free outputs need no finite-difference projection. */
 #include "factor_common.h"
+#include "../cuda/gpu_ops.h"
 
 #include <float.h>
 
@@ -44,11 +45,12 @@ static int right_validate(pb_call_t *c, pb_err_t *err) { return polar_validate(c
 
 static const char *const out_WP[] = {"W", "P"}, *const out_PWh[] = {"P", "Wh"};
 
-/* W is thin (m×n or its adjoint), as a compact factor is. */
+/* W is thin (m×n or its adjoint), as a compact factor is.  On the GPUs
+ * too: the body runs there unchanged (factor_common.h). */
 const pb_op_t pb_fz_polar_ops[] = {
-    FZ_ROW("left_polar", FZ_COMPACT, out_WP, NULL, 0, left_validate, left_polar_forward, left_polar_reverse, NULL,
-           NULL),
-    FZ_ROW("right_polar", FZ_COMPACT, out_PWh, NULL, 0, right_validate, right_polar_forward, right_polar_reverse,
-           NULL, NULL),
+    FZ_ROW_GPU("left_polar", FZ_COMPACT, out_WP, NULL, 0, left_validate, left_polar_forward, left_polar_reverse, NULL,
+               NULL),
+    FZ_ROW_GPU("right_polar", FZ_COMPACT, out_PWh, NULL, 0, right_validate, right_polar_forward, right_polar_reverse,
+               NULL, NULL),
 };
 const int pb_fz_polar_nops = NELEM(pb_fz_polar_ops);

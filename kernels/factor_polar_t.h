@@ -12,25 +12,24 @@ static int FN(polar_factor)(const T *A, int m, int n, T *W, T *P, T *V, RT *S, p
     const T one = 1, zero = 0;
     if (U && Vh && SV && (rc = FZ(svd_factor)(A, m, n, U, S, Vh, err)) == 0) {
         FZ(gemm)('N', 'N', m, n, n, one, U, m, Vh, n, zero, W, m);
-        /* P = (S^½·Vh)ᴴ(S^½·Vh): a rank-n update, Hermitian by construction */
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < n; i++)
-                E(SV, n, i, j) = (T)(sqrt((double)S[i]) * E(Vh, n, i, j));
+        /* P = (S^½·Vh)ᴴ(S^½·Vh): a rank-n update, Hermitian by construction
+         * (on a GPU the whole product, its lower half kept) */
+        FZ(copy)(SV, n, Vh, n, n, n);
+        FZ_KERNEL(NULL, .kind = PB_GPU_FZ_ROWS_SQRT_MUL, .m = n, .n = n, .ld = n, .x = SV, .w = S);
+        if (pb_exec_gpu() >= 0)
+            FZ(gemm)('C', 'N', n, n, n, one, SV, n, SV, n, zero, P, n);
+        else if (n > 0)
 #if CPLX
-        CBLAS(herk)(CblasColMajor, CblasLower, CblasConjTrans, n, n, 1.0, SV, LD(n), 0.0, P, LD(n));
+            CBLAS(herk)(CblasColMajor, CblasLower, CblasConjTrans, n, n, 1.0, SV, LD(n), 0.0, P, LD(n));
 #else
-        CBLAS(syrk)(CblasColMajor, CblasLower, CblasTrans, n, n, 1.0, SV, LD(n), 0.0, P, LD(n));
+            CBLAS(syrk)(CblasColMajor, CblasLower, CblasTrans, n, n, 1.0, SV, LD(n), 0.0, P, LD(n));
 #endif
-        for (int j = 0; j < n; j++) {
-            E(P, n, j, j) = (T)RE(E(P, n, j, j));
-            for (int i = j + 1; i < n; i++)
-                E(P, n, j, i) = CONJ(E(P, n, i, j));
-        }
+        FZ_KERNEL(NULL, .kind = PB_GPU_FZ_MIRROR_LOWER, .m = n, .n = n, .ld = n, .x = P);
         FZ(adjoint)(Vh, n, n, V);
     }
-    pb_mem_free(U);
-    pb_mem_free(Vh);
-    pb_mem_free(SV);
+    pb__fz_free(U);
+    pb__fz_free(Vh);
+    pb__fz_free(SV);
     return rc;
 }
 
@@ -52,37 +51,30 @@ static int FN(polar_pullback)(const T *W, int m, int n, const T *V, const RT *S,
     const bool tall = m > n && dW;
     if (!(P && M && C && Z && Ph && K))
         goto out;
-    for (int j = 0; j < n; j++) /* P = V·S·Vᴴ */
-        for (int i = 0; i < n; i++)
-            E(Z, n, i, j) = (T)(E(V, n, i, j) * S[j]);
+    /* (n×n passes: a transpose's strides, T(X) = Xᵀ's) */
+    pb_loop_t L = {.rank = 2, .dim = {(uint64_t)n, (uint64_t)n}, .s = {{1, n}, {n, 1}, {1, n}}};
+    FZ(copy)(Z, n, V, n, n, n); /* P = V·S·Vᴴ */
+    FZ_KERNEL(NULL, .kind = PB_GPU_FZ_COLS_MUL, .m = n, .n = n, .ld = n, .x = Z, .w = S);
     FZ(gemm)('N', 'C', n, n, n, one, Z, n, V, n, zero, P, n);
-    if (dP)
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < n; i++)
-                E(Ph, n, i, j) = (T)((E(dP, n, i, j) + CONJ(E(dP, n, j, i))) * 0.5);
+    if (dP) /* Ph = (ΔP + ΔPᴴ)/2 */
+        pb_strided(DT, &L, Ph, dP, true, (pb_scalar_t){0.5, 0}, dP, (pb_scalar_t){0.5, 0}, false);
     if (dW)
         FZ(gemm)('C', 'N', n, n, m, one, W, m, dW, m, zero, K, n);
-    memcpy(M, K, nn * sizeof(T));
+    FZ(copy)(M, n, K, n, n, n);
     if (dP)
         FZ(gemm)('N', 'N', n, n, n, mone, Ph, n, P, n, one, M, n);
-    for (int j = 0; j < n; j++) /* C = M − Mᴴ */
-        for (int i = 0; i < n; i++)
-            E(C, n, i, j) = E(M, n, i, j) - CONJ(E(M, n, j, i));
+    /* C = M − Mᴴ */
+    pb_strided(DT, &L, C, M, true, (pb_scalar_t){-1, 0}, M, (pb_scalar_t){1, 0}, false);
     FZ(gemm)('C', 'N', n, n, n, one, V, n, C, n, zero, M, n);
     FZ(gemm)('N', 'N', n, n, n, one, M, n, V, n, zero, C, n);
-    for (int j = 0; j < n; j++)
-        for (int i = 0; i < n; i++) {
-            double s = (double)S[i] + (double)S[j];
-            E(C, n, i, j) = (T)(fabs(s) >= tol ? E(C, n, i, j) / s : 0);
-        }
+    FZ_KERNEL(NULL, .kind = PB_GPU_FZ_POLAR_F, .m = n, .n = n, .ld = n, .x = C, .w = S, .param = tol);
     FZ(gemm)('N', 'N', n, n, n, one, V, n, C, n, zero, M, n);
     FZ(gemm)('N', 'C', n, n, n, one, M, n, V, n, zero, C, n); /* X */
-    for (size_t i = 0; i < nn; i++)
-        C[i] += Ph[i];
+    pb_loop_t F = {.rank = 1, .dim = {nn}, .s = {{1}, {1}}}; /* C += Ph */
+    pb_strided(DT, &F, C, Ph, false, (pb_scalar_t){1, 0}, NULL, (pb_scalar_t){0, 0}, true);
     if (tall) { /* Z = P⁻¹ (pseudo-inverse past tol); C −= K·P⁻¹; ΔA += ΔW·P⁻¹ */
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < n; i++)
-                E(M, n, i, j) = (T)(fabs((double)S[j]) >= tol ? E(V, n, i, j) / S[j] : 0);
+        FZ(copy)(M, n, V, n, n, n);
+        FZ_KERNEL(NULL, .kind = PB_GPU_FZ_COLS_PINV, .m = n, .n = n, .ld = n, .x = M, .w = S, .param = tol);
         FZ(gemm)('N', 'C', n, n, n, one, M, n, V, n, zero, Z, n);
         FZ(gemm)('N', 'N', n, n, n, mone, K, n, Z, n, one, C, n);
         FZ(gemm)('N', 'N', m, n, n, one, dW, m, Z, n, one, dA, m);
@@ -90,12 +82,12 @@ static int FN(polar_pullback)(const T *W, int m, int n, const T *V, const RT *S,
     FZ(gemm)('N', 'N', m, n, n, one, W, m, C, n, one, dA, m);
     rc = 0;
 out:
-    pb_mem_free(P);
-    pb_mem_free(M);
-    pb_mem_free(C);
-    pb_mem_free(Z);
-    pb_mem_free(Ph);
-    pb_mem_free(K);
+    pb__fz_free(P);
+    pb__fz_free(M);
+    pb__fz_free(C);
+    pb__fz_free(Z);
+    pb__fz_free(Ph);
+    pb__fz_free(K);
     return rc;
 }
 
@@ -113,7 +105,7 @@ static int FN(polar_fwd)(const pb_call_t *c, T *A, pb_tensor_t *o, pb_tensor_t *
         if (right)
             FZ(adjoint)(A, m, n, X);
         else
-            memcpy(X, A, (size_t)m * n * sizeof(T));
+            FZ(copy)(X, m, A, m, m, n);
         if ((rc = FN(polar_factor)(X, mm, nn, W, P, V, S, err)) == 0 && right) {
             T *Wh = FZ(newmat)(&o[1], nn, mm);
             if (Wh)
@@ -123,7 +115,7 @@ static int FN(polar_fwd)(const pb_call_t *c, T *A, pb_tensor_t *o, pb_tensor_t *
         } else if (rc == 0)
             pb_tensor_ref(&o[0], &sv[0]);
     }
-    pb_mem_free(X);
+    pb__fz_free(X);
     return rc;
 }
 
@@ -153,17 +145,26 @@ static int FN(polar_pull)(const pb_tapedata_t *t, const pb_tensor_t *cot, const 
      * zero A (S₁ = 0) divides by nothing. */
     const bool single = DT == PB_F32 || DT == PB_C64;
     const RT *S = pb_tensor_data(s2);
-    double rel = pow(single ? FLT_EPSILON : DBL_EPSILON, 0.75) * (nn > 0 ? (double)S[0] : 0.0);
+    RT s1max = 0; /* S₁, read where the host can (a GPU's S: FZ(host_r)) */
+    if (nn > 0) {
+        RT *copy;
+        const RT *h = FZ(host_r)(S, 1, &copy);
+        if (h == NULL)
+            goto out;
+        s1max = h[0];
+        pb_mem_free(copy);
+    }
+    double rel = pow(single ? FLT_EPSILON : DBL_EPSILON, 0.75) * (double)s1max;
     double tol = fmax(fmin(op->rank_atol, rel), single ? FLT_MIN : DBL_MIN);
     rc = FN(polar_pullback)(pb_tensor_data(s0), mm, nn, pb_tensor_data(s1), S, right ? c2 : c0, c1, right ? dAa : dA,
                             tol);
     if (right && rc == 0)
         FZ(adjoint)(dAa, mm, nn, dA);
 out:
-    pb_mem_free(c0);
-    pb_mem_free(c1);
-    pb_mem_free(c2);
-    pb_mem_free(dAa);
+    pb__fz_free(c0);
+    pb__fz_free(c1);
+    pb__fz_free(c2);
+    pb__fz_free(dAa);
     return rc;
 }
 

@@ -48,8 +48,7 @@ static const char *const out_USV[] = {"U", "S", "Vh"}, *const out_S[] = {"S"};
 /* On the GPUs too (cuSOLVER's gesvd; the body runs there unchanged,
  * factor_common.h), but for svd_full, whose completions need the QR. */
 #define SVD_ROW_GPU(nm, var, outs, opts, nopts)                                                                        \
-    FZ_ROW_ON(nm, var, outs, opts, nopts, svd_validate, svd_forward, svd_reverse, svd_fd, NULL,                      \
-              (1u << PB_DEV_CPU) | (1u << PB_DEV_CUDA), pb_gpu_shared_forward, pb_gpu_shared_reverse)
+    FZ_ROW_GPU(nm, var, outs, opts, nopts, svd_validate, svd_forward, svd_reverse, svd_fd, NULL)
 const pb_op_t pb_fz_svd_ops[] = {
     SVD_ROW_GPU("svd_compact", FZ_COMPACT, out_USV, o_svd, NELEM(o_svd)),
     SVD_ROW("svd_full", FZ_FULL, out_USV, o_svd, NELEM(o_svd)),

@@ -57,7 +57,8 @@ void pb_dense_strides(int rank, const uint64_t *shape, char order, int64_t *stri
  *
  * dst[i] = alpha·op(src[i]) + beta·src2[i] over L (strides s[0] dst,
  * s[1] src, s[2] src2); src2 NULL drops the beta term (its values are not
- * read).  dst may be src when their strides agree (in place).  With
+ * read).  dst may be src when their strides agree and src2 is NULL (in
+ * place: the pass then scales, and would not read src2).  With
  * accumulate, dst[i] += alpha·op(src[i]) instead (src2 unused), and dst
  * strides may be 0 (a reduction). */
 void pb_strided(pb_dtype_t d, const pb_loop_t *L, void *dst, const void *src, bool conj, pb_scalar_t alpha,

@@ -1152,9 +1152,11 @@ static void lapack_failures(void **state)
             /* on a GPU, cuSOLVER's gesvd alone: its failure is the op's */
             snprintf(spec, sizeof spec, "%cgesvd=2", L);
             lapack_fault_set(spec);
-            static const char *const gpu_svd[] = {"svd_compact", "svd_vals", "svd_trunc"};
-            for (int o = 0; o < 3; o++)
+            static const char *const gpu_svd[] = {"svd_compact", "svd_vals", "svd_trunc", "left_polar", "right_polar"};
+            for (int o = 0; o < 5; o++)
                 for (int wide = 0; wide < 2; wide++) {
+                    if ((o == 3 && wide) || (o == 4 && !wide)) /* W·P: m ≥ n; P·Wh: m ≤ n */
+                        continue;
                     assert_lapack_error(forward_rc(gpu_svd[o], d, wide ? 5 : 7, wide ? 7 : 5, RANDOM, -1, &err), &err,
                                         "gesvd", 2);
                     assert_non_null(strstr(err.message, "cuSOLVER"));
@@ -1577,6 +1579,10 @@ static void gpu_parity(void **state)
                 pb_dtype_t d = dtypes[di];
                 bool herm = is_eigh(op->name);
                 int m = s == 3 ? 0 : 19, n = herm || s == 3 ? m : s == 1 ? 13 : 23;
+                if (strcmp(op->name, "left_polar") == 0 && n > m) /* W·P takes m ≥ n, P·Wh m ≤ n */
+                    n = s == 2 ? m : 17;
+                if (strcmp(op->name, "right_polar") == 0 && n < m)
+                    n = m;
                 char order = s % 2 ? 'F' : 'C';
                 double tol = single(d) ? 1e-4 : 1e-12;
                 pb_call_t on[2];
@@ -1642,7 +1648,7 @@ static void gpu_parity(void **state)
                     pb_tensor_clear(&cot[k]);
                 ran++;
             }
-    assert_int_equal(ran, 6 * 4 * 4);
+    assert_int_equal(ran, 8 * 4 * 4);
 }
 
 int main(int argc, char **argv)

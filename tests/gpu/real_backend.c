@@ -12,7 +12,10 @@
  * w ascending, bitwise repeatable, only the lower triangle read; n = 0).  The newer fz
  * kinds: phases' v (conj of the rounded phase, 1 - 0i for a zero column), rows_mul,
  * cols_div, rows_div and svd_f (degenerate pairs, dp = 0, with and without dS, y left
- * alone) in all four dtypes, ld > m.  gesvd with and without vectors in f64, c128 and f32
+ * alone) in all four dtypes, ld > m.  The v4 kinds rows_sqrt_mul, cols_mul, mirror_lower,
+ * polar_f and cols_pinv in all four dtypes, bit for bit against the CPU's expressions in the
+ * element type (ld > m, polar_f's sums and cols_pinv's w on both sides of tol, zero sizes,
+ * a missing w, a stray w and non-square x refused).  gesvd with and without vectors in f64, c128 and f32
  * on a tall 9×5 (lda 11) and a square 6×6 matrix (U·diag(s)·Vᴴ = A, UᴴU = I, VᴴV = I,
  * s descending and >= 0, the values alone the same; m = 0, n = 0; m < n refused).  Exits
  * 77 (skip) with "no CUDA device" when the module is missing or finds no GPU. */
@@ -661,6 +664,150 @@ static void fz_svd_f(int dt)
     free(hx); free(hy); free(x); free(y); free(want); free(hs); free(hds); free(back);
 }
 
+/* ---- the stream kinds of module v4 ----
+ *
+ * The references are the CPU's expressions (kernels/factor_common_t.h's
+ * FZ(kernel_host)) in the element type itself, one body for the four
+ * dtypes, and the device must give the same bits: each is IEEE-rounded
+ * arithmetic (in double where the CPU promotes) and a correctly rounded
+ * sqrt, no libm function that may differ by an ulp. */
+static float fz_id_s(float v) { return v; }
+static double fz_id_d(double v) { return v; }
+
+#define FZ_V4_REF(S, T, RT, RE, CONJ)                                                             \
+    static void fz_ref_##S(int kind, void *xv, int m, int n, int ld, const void *wv, double param) \
+    {                                                                                              \
+        T *x = xv;                                                                                 \
+        const RT *w = wv;                                                                          \
+        for (int j = 0; j < n; j++)                                                                \
+            for (int i = 0; i < m; i++) {                                                          \
+                T *e = x + (size_t)j * ld + i;                                                     \
+                double s;                                                                          \
+                switch (kind) {                                                                    \
+                case PB_GPU_FZ_ROWS_SQRT_MUL:                                                      \
+                    *e = (T)(sqrt((double)w[i]) * *e);                                             \
+                    break;                                                                         \
+                case PB_GPU_FZ_COLS_MUL:                                                           \
+                    *e = (T)(*e * w[j]);                                                           \
+                    break;                                                                         \
+                case PB_GPU_FZ_MIRROR_LOWER: /* x_jj, and x_ji from x_ij below it */               \
+                    if (i == j)                                                                    \
+                        *e = (T)RE(*e);                                                            \
+                    else if (i > j)                                                                \
+                        x[(size_t)i * ld + j] = CONJ(*e);                                          \
+                    break;                                                                         \
+                case PB_GPU_FZ_POLAR_F:                                                            \
+                    s = (double)w[i] + (double)w[j];                                               \
+                    *e = (T)(fabs(s) >= param ? *e / s : 0);                                       \
+                    break;                                                                         \
+                case PB_GPU_FZ_COLS_PINV:                                                          \
+                    *e = (T)(fabs((double)w[j]) >= param ? *e / w[j] : 0);                         \
+                    break;                                                                         \
+                }                                                                                  \
+            }                                                                                      \
+    }
+FZ_V4_REF(s, float, float, fz_id_s, fz_id_s)
+FZ_V4_REF(d, double, double, fz_id_d, fz_id_d)
+FZ_V4_REF(c, float complex, float, crealf, conjf)
+FZ_V4_REF(z, double complex, double, creal, conj)
+#undef FZ_V4_REF
+
+/* Each v4 kind in dtype dt against fz_ref: rows_sqrt_mul, cols_mul and
+ * cols_pinv on a 5×4 matrix (ld 7: the NaN padding left alone),
+ * mirror_lower and polar_f on 6×6 ones (ld 6 and 8), bit for bit.  w:
+ * rows_sqrt_mul's >= 0 with a 0, cols_mul's with a negative and a 0;
+ * cols_pinv's |w_j| on both sides of each of two tols (1e-3: w_1 =
+ * -1e-4 and w_3 = 0 zero their columns; 1e-5: w_3 alone), polar_f's sums
+ * too (w_1 + w_4 = 0 under both, w_2 + w_3 = 1/512 under 1/256 alone).
+ * Zero sizes (x NULL), and the refusals of real_fz's checks. */
+static void fz_v4_kinds(int dt)
+{
+    static void (*const ref[4])(int, void *, int, int, int, const void *, double) = {fz_ref_s, fz_ref_d, fz_ref_c,
+                                                                                        fz_ref_z};
+    static const double w_rsm[5] = {0.75, 2, 1.0 / 3, 0, 10}, w_cm[4] = {0.75, -1.25, 1.0 / 3, 0};
+    static const double w_pinv[4] = {0.75, -1e-4, -3.0 / 7, 0}, w_pol[6] = {-2, -1, -0.5, 0.5 + 1.0 / 512, 1, 1.0 / 3};
+    static const struct {
+        int kind, m, n, ld;
+        const double *w;
+        double param;
+        const char *what;
+    } cs[] = {
+        {PB_GPU_FZ_ROWS_SQRT_MUL, 5, 4, 7, w_rsm, 0, "rows_sqrt_mul"},
+        {PB_GPU_FZ_COLS_MUL, 5, 4, 7, w_cm, 0, "cols_mul"},
+        {PB_GPU_FZ_COLS_PINV, 5, 4, 7, w_pinv, 1e-3, "cols_pinv 1e-3"},
+        {PB_GPU_FZ_COLS_PINV, 5, 4, 7, w_pinv, 1e-5, "cols_pinv 1e-5"},
+        {PB_GPU_FZ_MIRROR_LOWER, 6, 6, 6, NULL, 0, "mirror_lower ld 6"},
+        {PB_GPU_FZ_MIRROR_LOWER, 6, 6, 8, NULL, 0, "mirror_lower ld 8"},
+        {PB_GPU_FZ_POLAR_F, 6, 6, 6, w_pol, 1e-3, "polar_f 1e-3"},
+        {PB_GPU_FZ_POLAR_F, 6, 6, 8, w_pol, 1.0 / 256, "polar_f 1/256"},
+    };
+    const int rdt = dt == 2 ? 0 : dt == 3 ? 1 : dt;
+    for (size_t c = 0; c < sizeof cs / sizeof cs[0]; c++) {
+        const int m = cs[c].m, n = cs[c].n, ld = cs[c].ld, kind = cs[c].kind;
+        const int wn = kind == PB_GPU_FZ_ROWS_SQRT_MUL ? m : n;
+        const size_t bytes = esz[dt] * (size_t)ld * n;
+        void *h = hmat(dt, m, n, ld, 81u + 8 * dt + (unsigned)c, 1.5), *want = malloc(bytes), *got = malloc(bytes);
+        void *hw = malloc(esz[rdt] * (size_t)wn), *dw = NULL;
+        for (int i = 0; i < wn && cs[c].w; i++)
+            hset(rdt, hw, i, cs[c].w[i]);
+        memcpy(want, h, bytes);
+        ref[dt](kind, want, m, n, ld, cs[c].w ? hw : NULL, cs[c].param);
+        if (kind == PB_GPU_FZ_POLAR_F || kind == PB_GPU_FZ_COLS_PINV) { /* both sides of tol */
+            int zeroed = 0;
+            for (int j = 0; j < n; j++)
+                for (int i = 0; i < m; i++) {
+                    double a = kind == PB_GPU_FZ_COLS_PINV ? creal(hget(rdt, hw, j))
+                                                           : creal(hget(rdt, hw, i)) + creal(hget(rdt, hw, j));
+                    zeroed += fabs(a) < cs[c].param;
+                }
+            CHECK(zeroed > 0 && zeroed < m * n);
+        }
+        void *d = dalloc_copy(h, bytes);
+        if (cs[c].w)
+            dw = dalloc_copy(hw, esz[rdt] * (size_t)wn);
+        pb_gpu_fz_t k = {.kind = kind, .dtype = dt, .m = m, .n = n, .ld = ld, .x = d, .w = dw, .param = cs[c].param};
+        RC(G->fz(&k, NULL));
+        RC(G->d2h(got, d, bytes));
+        int bad = 0;
+        for (int e = 0; e < ld * n; e++)
+            if (memcmp((char *)got + esz[dt] * e, (char *)want + esz[dt] * e, esz[dt]) != 0 && bad++ < 3) {
+                double complex g = hget(dt, got, e), w = hget(dt, want, e);
+                printf("fz %s dt %d (%d,%d): %.17g%+.17gi want %.17g%+.17gi\n", cs[c].what, dt, e % ld, e / ld,
+                       creal(g), cimag(g), creal(w), cimag(w));
+            }
+        fails += bad;
+        /* zero sizes, x NULL: nothing read */
+        const int square = kind == PB_GPU_FZ_MIRROR_LOWER || kind == PB_GPU_FZ_POLAR_F;
+        k.x = NULL;
+        k.m = 0;
+        k.n = square ? 0 : n;
+        RC(G->fz(&k, NULL));
+        if (!square) {
+            k.m = m;
+            k.n = 0;
+            RC(G->fz(&k, NULL));
+        }
+        G->free(0, d);
+        if (dw)
+            G->free(0, dw);
+        free(h); free(want); free(got); free(hw);
+    }
+    /* refused: a w kind without w, mirror_lower given one or a 4×3 x, polar_f 4×3; the device fine */
+    void *d = dalloc_copy(NULL, esz[dt] * 12), *dw = dalloc_copy(NULL, esz[rdt] * 4);
+    static const int needs_w[4] = {PB_GPU_FZ_ROWS_SQRT_MUL, PB_GPU_FZ_COLS_MUL, PB_GPU_FZ_POLAR_F, PB_GPU_FZ_COLS_PINV};
+    for (int i = 0; i < 4; i++)
+        CHECK(G->fz(&(pb_gpu_fz_t){.kind = needs_w[i], .dtype = dt, .m = 3, .n = 3, .ld = 4, .x = d, .param = 1e-3},
+                    NULL) == PB_EINTERNAL);
+    CHECK(G->fz(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_MIRROR_LOWER, .dtype = dt, .m = 3, .n = 3, .ld = 3, .x = d, .w = dw},
+                NULL) == PB_EINTERNAL);
+    CHECK(G->fz(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_MIRROR_LOWER, .dtype = dt, .m = 4, .n = 3, .ld = 4, .x = d},
+                NULL) == PB_EINTERNAL);
+    CHECK(G->fz(&(pb_gpu_fz_t){.kind = PB_GPU_FZ_POLAR_F, .dtype = dt, .m = 4, .n = 3, .ld = 4, .x = d, .w = dw,
+                               .param = 1e-3}, NULL) == PB_EINTERNAL);
+    CHECK(!G->failed(0));
+    G->free(0, d); G->free(0, dw);
+}
+
 static void fz_checks(void)
 {
     for (int dt = 0; dt < 4; dt++) {
@@ -671,6 +818,7 @@ static void fz_checks(void)
         fz_phases(dt, 1);
         fz_scale_kinds(dt);
         fz_svd_f(dt);
+        fz_v4_kinds(dt);
     }
 }
 

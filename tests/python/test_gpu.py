@@ -179,6 +179,10 @@ class FakeGpu(GpuCase):
                 out = self.c.forward("svd_compact", {"A": A}, device="cuda")
                 np.testing.assert_allclose((out["U"] * out["S"]) @ out["Vh"], A, atol=1e-5)
                 np.testing.assert_allclose(out["S"], np.linalg.svd(A, compute_uv=False), rtol=1e-5)
+                for op in ("left_polar", "right_polar"):  # W·P takes m ≥ n, P·Wh m ≤ n
+                    if (op == "left_polar") == (shape[0] >= shape[1]):
+                        r = self.c.check(op, {"A": A}, wrt=["A"], device="cuda")
+                        self.assertLess(r["max_rel_err"], tol, f"{op} {dtype.__name__} {shape}: {r}")
         out, tape = self.c.augmented_forward("svd_compact", {"A": A}, wrt=["A"], device="cuda:1")
         d = self.device("cuda:1")
         self.assertEqual((d["tapes"], d["tape_bytes"]), (1, 4 * (4 * 4 + 4 + 4 * 7)))
@@ -476,7 +480,7 @@ class SolverFailure(GpuCase):
 
     def test_numerical_error_with_info(self):
         A = np.eye(4) + 0.25
-        for op in ("eigh_full", "eigh_vals", "svd_compact", "svd_vals", "svd_trunc"):
+        for op in ("eigh_full", "eigh_vals", "svd_compact", "svd_vals", "svd_trunc", "left_polar", "right_polar"):
             e = self.assertCode("numerical_error", self.c.forward, op, {"A": A}, device="cuda")
             self.assertEqual(e.details.get("info"), 7, e.details)
             solver = "dsyevd" if op.startswith("eigh") else "dgesvd"
