@@ -182,7 +182,8 @@ int pb_gpu_shared_forward(pb_call_t *c, pb_tapedata_t *tape, pb_err_t *err)
         rc = c->op->forward[PB_DEV_CPU](c, tape, err);
         failed = pb_exec_leave();
     }
-    if (rc == 0 && (failed = download_all(c->out, c->op->noutputs)) == 0)
+    /* a failure kept inside the body is the answer, not its outputs */
+    if (rc == 0 && failed == 0 && (failed = download_all(c->out, c->op->noutputs)) == 0)
         failed = pb_gpu->sync();
     for (int i = 0; i < c->op->ninputs; i++)
         if (host[i].storage) {

@@ -38,6 +38,7 @@ static struct {
     long sticky_after; /* < 0: never */
     int unbindable;    /* a device thread_init refuses, or -1 */
     int solver_info;   /* what every solver call answers, or 0: the solver's own */
+    bool solver_oom;   /* every solver call fails: no memory for its workspace */
     atomic_long calls;
     size_t used[PB_GPU_MAX_DEVICES];
     atomic_int failed[PB_GPU_MAX_DEVICES];
@@ -614,6 +615,8 @@ static int fake_syevd(int dtype, int vectors, int n, void *a, int lda, void *w, 
     int rc = stream_call("syevd");
     if (rc)
         return rc;
+    if (F.solver_oom)
+        return fail(PB_ENOMEM, "syevd: no device memory for the workspace (injected: solver_oom=1)");
     if (dtype < 0 || dtype > 3)
         fake_abort("syevd: dtype %d", dtype);
     host_ptr(info, sizeof *info, "syevd info");
@@ -644,6 +647,8 @@ static int fake_gesvd(int dtype, int vectors, int m, int n, void *a, int lda, vo
     int rc = stream_call("gesvd");
     if (rc)
         return rc;
+    if (F.solver_oom)
+        return fail(PB_ENOMEM, "gesvd: no device memory for the workspace (injected: solver_oom=1)");
     if (dtype < 0 || dtype > 3)
         fake_abort("gesvd: dtype %d", dtype);
     if (m < n) /* cuSOLVER's gesvd: m >= n only */
@@ -750,6 +755,7 @@ const pb_gpu_backend_t *pb__gpu_fake(const char *spec, char *msg, size_t len)
     F.sticky_after = -1;
     F.unbindable = -1;
     F.solver_info = 0;
+    F.solver_oom = false;
     atomic_store(&F.calls, 0);
     for (int d = 0; d < PB_GPU_MAX_DEVICES; d++) {
         F.used[d] = 0;
@@ -772,10 +778,12 @@ const pb_gpu_backend_t *pb__gpu_fake(const char *spec, char *msg, size_t len)
             F.unbindable = (int)v;
         else if (klen == 11 && !strncmp(p, "solver_info", 11) && v >= 1 && v <= INT32_MAX)
             F.solver_info = (int)v;
+        else if (klen == 10 && !strncmp(p, "solver_oom", 10) && v == 1)
+            F.solver_oom = true;
         else {
             snprintf(msg, len,
                      "PULLBACKD_FAKE_CUDA: \"%.*s\": settings are devices=1..%d, memory=BYTES[K|M|G], "
-                     "sticky_after=N, unbindable=DEVICE, solver_info=1..2^31-1",
+                     "sticky_after=N, unbindable=DEVICE, solver_info=1..2^31-1, solver_oom=1",
                      (int)n, p, PB_GPU_MAX_DEVICES);
             return NULL;
         }

@@ -12,6 +12,8 @@
  *   unbindable=D    device D's thread_init fails (its workers cannot bind)
  *   solver_info=K   every solver call (syevd, gesvd) reports info K, as one that
  *                   did not converge (default: the solver's own)
+ *   solver_oom=1    every solver call fails for want of device memory for
+ *                   its workspace (PB_ENOMEM: the device stays usable)
  * An empty value is "devices=1".  The daemon reads it once at start.
  *
  * What it checks, each by aborting the process with a "fake CUDA:" line

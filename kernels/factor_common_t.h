@@ -428,7 +428,8 @@ const RT *FZ(host_r)(const RT *v, int n, RT **copy)
     *copy = NULL;
     if (v == NULL || pb_exec_gpu() < 0)
         return v;
-    if ((*copy = pb_mem_alloc(sizeof(RT) * (size_t)(n > 0 ? n : 1))) != NULL)
+    /* zeros where a failure kept skips the copy (the wrapper reports it) */
+    if ((*copy = pb_mem_calloc((size_t)(n > 0 ? n : 1), sizeof(RT))) != NULL)
         pb__exec_d2h(*copy, v, sizeof(RT) * (size_t)(n > 0 ? n : 0));
     return *copy;
 }

@@ -393,14 +393,17 @@ static int FN(svd_fd)(const pb_call_t *c, pb_tensor_t *cot)
     if (c->op->variant == FZ_VALS) {
         const RT *S = pb_tensor_data(&c->out[0]);
         RT *dS = pb_tensor_data(&cot[0]);
-        for (int i = FN(svd_rank)(S, k, op.rank_atol); i < k; i++)
+        int r = FN(svd_rank)(S, k, op.rank_atol);
+        for (int i = r; r >= 0 && i < k; i++)
             dS[i] = 0;
-        return 0;
+        return r < 0 ? PB_ENOMEM : 0;
     }
     int rc = PB_ENOMEM;
     int cu = (int)c->out[0].shape[1], cv = (int)c->out[2].shape[0], rs = (int)c->out[1].shape[0];
     const RT *S = pb_tensor_data(&c->out[1]);
     int r = FN(svd_rank)(S, rs, op.rank_atol);
+    if (r < 0)
+        return PB_ENOMEM;
     T *X0 = FZ(out_arr)(c, 0), *X1 = FZ(out_arr)(c, 2);
     T *D0 = FZ(zalloc)((size_t)m * cu), *D1 = FZ(zalloc)((size_t)cv * n);
     double *ph = pb_mem_calloc((size_t)(r ? r : 1), sizeof(double));
