@@ -15,10 +15,12 @@
  *   - a whole forward through the op (pb_op_run_forward on cuda, inputs
  *     and output through the host staging) beside them, for what a
  *     request adds;
- *   - eigh_full of a 4096² Hermitian A (f64, f32, c128), the op's device
- *     work (its checks, phases and the solver, cuda/exec.h) ÷ the bare
- *     Xsyevd it needs (issue 13: ≤ 1.15), its reverse ÷ its forward
- *     (≤ 1.0), and forward + reverse on the CPU (one call each, OpenBLAS
+ *   - the factorizations: eigh_full (4096², f64, f32, c128), svd_compact
+ *     (4096² f64 and f32, 8192×1024 f64) and left_polar (8192×1024 f64),
+ *     the op's device work (its checks, phases, kernels and the solver,
+ *     cuda/exec.h) ÷ the bare Xsyevd or Xgesvd it needs (issue 13: ≤
+ *     1.15), its reverse ÷ its forward (≤ 1.0 for eigh and the SVD), and
+ *     for f64 4096² forward + reverse on the CPU (one call each, OpenBLAS
  *     with this process's threads) ÷ the same on the GPU: the speed-up.
  * Each figure is the median of 5 runs after a warm-up.  Exits 77 with "no
  * CUDA device" where the module or a GPU is missing.  With
@@ -99,18 +101,24 @@ static void reverse(fd_t *f)
 }
 
 /* Median seconds of 5 runs of fn (after one warm-up), each synchronised. */
-static double timed(void (*fn)(fd_t *), fd_t *f)
+/* fn's median time over reps runs (at most 5) after a warm-up. */
+static double timed_n(void (*fn)(fd_t *), fd_t *f, int reps)
 {
     double t[5];
     fn(f);
     ok(G->sync(), "sync");
-    for (int i = 0; i < 5; i++) {
+    for (int i = 0; i < reps; i++) {
         double t0 = now();
         fn(f);
         ok(G->sync(), "sync");
         t[i] = now() - t0;
     }
-    return median(t, 5);
+    return median(t, reps);
+}
+
+static double timed(void (*fn)(fd_t *), fd_t *f)
+{
+    return timed_n(fn, f, 5);
 }
 
 static void bench_fused_dense(int dtype, long out, long in, long batch)
@@ -300,7 +308,7 @@ static void bench_permute(long n)
     G->free(0, P.dst);
 }
 
-/* ---- eigh_full ---- */
+/* ---- the factorizations ---- */
 
 typedef struct {
     pb_call_t call;
@@ -308,70 +316,81 @@ typedef struct {
     pb_tensor_t cot[PB_MAX_IO];
     void *a, *work, *w;
     size_t bytes;
-} eigh_t;
+} factor_t;
 
-static eigh_t EH;
+static factor_t FB;
 
-static void run_syevd(fd_t *f)
+/* The bare cuSOLVER call an op needs, on a copy of A (the solvers
+ * overwrite their input): Xsyevd for eigh, Xgesvd (m ≥ n) for the SVD and
+ * polar. */
+static void run_solver(fd_t *f)
 {
     (void)f;
-    pb_gpu_loop_t L = {.rank = 1, .dim = {EH.bytes / 4}, .s = {{1}, {1}}};
-    ok(G->strided(0, &L, EH.work, EH.a, 0, ONE, NULL, ZERO, 0), "copy"); /* syevd overwrites its input */
+    const int m = (int)FB.call.in[0].shape[0], n = (int)FB.call.in[0].shape[1], dt = (int)FB.call.dtype;
+    pb_gpu_loop_t L = {.rank = 1, .dim = {FB.bytes / 4}, .s = {{1}, {1}}};
+    ok(G->strided(0, &L, FB.work, FB.a, 0, ONE, NULL, ZERO, 0), "copy");
     int info = 0;
-    ok(G->syevd(EH.call.dtype, 1, (int)EH.call.in[0].shape[0], EH.work, (int)EH.call.in[0].shape[0], EH.w, &info),
-       "syevd");
-    ok(info, "syevd's info");
+    if (strncmp(FB.call.op->name, "eigh", 4) == 0)
+        ok(G->syevd(dt, 1, m, FB.work, m, FB.w, &info), "syevd");
+    else {
+        void *u = dalloc((size_t)m * n * pb_dtype_size(FB.call.dtype)), *vt = dalloc((size_t)n * n * pb_dtype_size(FB.call.dtype));
+        ok(G->gesvd(dt, 1, m, n, FB.work, m, FB.w, u, m, vt, n, &info), "gesvd");
+        G->free(0, u);
+        G->free(0, vt);
+    }
+    ok(info, "the solver's info");
 }
 
 /* The op's forward (keeping its tape) or reverse on the execution
  * device, or on the CPU when gpu < 0. */
-static void eigh_run(bool reverse, int gpu)
+static void factor_run(bool reverse, int gpu)
 {
     pb_err_t err = {0};
     pb_tensor_t grad[PB_MAX_IO + 2] = {{0}};
     pb_warnings_t warn = {0};
     if (!reverse) {
-        pb_tapedata_clear(&EH.tape);
-        pb_tapedata_init(&EH.tape, &EH.call);
+        pb_tapedata_clear(&FB.tape);
+        pb_tapedata_init(&FB.tape, &FB.call);
     }
     if (gpu >= 0)
         pb_exec_enter(gpu);
-    int rc = reverse ? EH.call.op->reverse[PB_DEV_CPU](&EH.tape, EH.cot, grad, 'F', &warn, &err)
-                     : EH.call.op->forward[PB_DEV_CPU](&EH.call, &EH.tape, &err);
+    int rc = reverse ? FB.call.op->reverse[PB_DEV_CPU](&FB.tape, FB.cot, grad, 'F', &warn, &err)
+                     : FB.call.op->forward[PB_DEV_CPU](&FB.call, &FB.tape, &err);
     int failed = gpu >= 0 ? pb_exec_leave() : 0;
     if (rc || failed) {
-        fprintf(stderr, "eigh_full %s: %s\n", reverse ? "reverse" : "forward", rc ? err.message : G->last_error());
+        fprintf(stderr, "%s %s: %s\n", FB.call.op->name, reverse ? "reverse" : "forward",
+                rc ? err.message : G->last_error());
         exit(1);
     }
     for (int i = 0; i < PB_MAX_IO + 2; i++)
         pb_tensor_clear(&grad[i]);
     for (int i = 0; i < PB_MAX_IO && !reverse; i++)
-        pb_tensor_clear(&EH.call.out[i]);
+        pb_tensor_clear(&FB.call.out[i]);
 }
 
-static void eigh_fwd_gpu(fd_t *f) { (void)f, eigh_run(false, 0); }
-static void eigh_rev_gpu(fd_t *f) { (void)f, eigh_run(true, 0); }
+static void factor_fwd_gpu(fd_t *f) { (void)f, factor_run(false, 0); }
+static void factor_rev_gpu(fd_t *f) { (void)f, factor_run(true, 0); }
 
-/* Host tensors of A (Hermitian, random) and the cotangents D̄, V̄ = V. */
-static void eigh_host(pb_tensor_t *A, pb_tensor_t *cot, pb_dtype_t d, long m)
+/* A random m×n A, Hermitian when square (eigh takes only those). */
+static void factor_input(pb_tensor_t *A, pb_dtype_t d, long m, long n)
 {
-    uint64_t shape[2] = {(uint64_t)m, (uint64_t)m}, vshape[1] = {(uint64_t)m};
+    uint64_t shape[2] = {(uint64_t)m, (uint64_t)n};
     ok(pb_tensor_alloc(A, d, 2, shape, 'F', true), "A");
-    ok(pb_tensor_alloc(&cot[0], pb_dtype_real(d), 1, vshape, 'F', true), "D̄");
-    ok(pb_tensor_alloc(&cot[1], d, 2, shape, 'F', true), "V̄");
     bool single = d == PB_F32 || d == PB_C64, cplx = pb_dtype_is_complex(d);
     char *a = pb_tensor_data(A);
     unsigned long long r = 88172645463325252ull;
-    for (long j = 0; j < m; j++)
-        for (long i = 0; i <= j; i++) {
+    for (long j = 0; j < n; j++)
+        for (long i = 0; i < m; i++) {
+            if (m == n && i > j)
+                continue; /* the lower half mirrors the upper */
             double v[2];
             for (int k = 0; k < 2; k++) {
                 r ^= r << 13, r ^= r >> 7, r ^= r << 17;
                 v[k] = (double)(r >> 11) * 0x1.0p-53 - 0.5;
             }
-            if (i == j || !cplx)
+            if (!cplx || (m == n && i == j))
                 v[1] = 0;
-            for (int t = 0; t < 2; t++) { /* (i, j), then (j, i) conjugated */
+            for (int t = 0; t < (m == n && i != j ? 2 : 1); t++) { /* (i, j), then (j, i) conjugated */
                 size_t o = t ? (size_t)i * m + j : (size_t)j * m + i;
                 double im = t ? -v[1] : v[1];
                 if (single) {
@@ -387,64 +406,71 @@ static void eigh_host(pb_tensor_t *A, pb_tensor_t *cot, pb_dtype_t d, long m)
                 }
             }
         }
-    char *dd = pb_tensor_data(&cot[0]);
-    for (long i = 0; i < m; i++)
-        if (single)
-            ((float *)dd)[i] = 1.0f;
-        else
-            ((double *)dd)[i] = 1.0;
 }
 
-static void bench_eigh(pb_dtype_t d, long m, bool cpu)
+/* op on an m×n A: its device work (forward, then reverse with zero
+ * vector cotangents and ones for the values: every term of the pullback
+ * runs) against the bare solver call; with cpu, forward + reverse once on
+ * the CPU too (OpenBLAS with this process's threads). */
+static void bench_factor(const char *op, pb_dtype_t d, long m, long n, bool cpu, int reps)
 {
-    pb_call_t *c = &EH.call;
-    memset(&EH, 0, sizeof EH);
-    c->op = pb_op_find("eigh_full", 9);
+    pb_call_t *c = &FB.call;
+    memset(&FB, 0, sizeof FB);
+    c->op = pb_op_find(op, strlen(op));
     c->device = (pb_device_t){PB_DEV_CUDA, 0};
     c->dtype = d;
     c->order = 'F';
     c->wrt = 1;
     c->taped = true;
     pb_tensor_t A = {0}, hcot[PB_MAX_IO] = {{0}};
-    eigh_host(&A, hcot, d, m);
+    factor_input(&A, d, m, n);
     pb_call_defaults(c);
     c->in[0] = A;
     pb_err_t err;
     if (c->op->validate(c, &err)) {
-        fprintf(stderr, "eigh_full: %s\n", err.message);
+        fprintf(stderr, "%s: %s\n", op, err.message);
         exit(1);
     }
-    /* on the CPU, one call each: forward + reverse */
+    for (int k = 0; k < c->op->noutputs; k++) {
+        const pb_tensor_t *o = &c->out_meta[k];
+        ok(pb_tensor_alloc(&hcot[k], o->dtype, o->rank, o->shape, 'F', true), "cotangent");
+        for (size_t i = 0; o->rank == 1 && i < o->shape[0]; i++) { /* the values' cotangent: ones */
+            if (o->dtype == PB_F32)
+                ((float *)pb_tensor_data(&hcot[k]))[i] = 1.0f;
+            else
+                ((double *)pb_tensor_data(&hcot[k]))[i] = 1.0;
+        }
+    }
     double tcpu = 0;
     if (cpu) {
-        memcpy(EH.cot, hcot, sizeof hcot);
+        memcpy(FB.cot, hcot, sizeof hcot);
         double t0 = now();
-        eigh_run(false, -1);
-        /* V̄ = V has no gauge part: the reverse's gauge check stays quiet */
-        eigh_run(true, -1);
+        factor_run(false, -1);
+        factor_run(true, -1);
         tcpu = now() - t0;
     }
-    /* on the GPU: A and the cotangents in device memory */
     pb_tensor_t dA = {0};
     ok(pb_gpu_upload(&dA, 0, &A), "upload A");
     c->in[0] = dA;
-    for (int i = 0; i < 2; i++)
-        ok(pb_gpu_upload(&EH.cot[i], 0, &hcot[i]), "upload cotangents");
-    EH.bytes = pb_tensor_bytes(&dA);
-    EH.a = pb_tensor_data(&dA);
-    EH.work = dalloc(EH.bytes);
-    EH.w = dalloc((size_t)m * pb_dtype_size(pb_dtype_real(d)));
-    double ts = timed(run_syevd, NULL), tf = timed(eigh_fwd_gpu, NULL), tr = timed(eigh_rev_gpu, NULL);
-    printf("eigh_full %s %ld²: Xsyevd %.1f ms, forward %.1f ms: %.3f; reverse %.1f ms: %.3f of the forward", pb_dtype_name(d),
-           m, ts * 1e3, tf * 1e3, tf / ts, tr * 1e3, tr / tf);
+    for (int k = 0; k < c->op->noutputs; k++)
+        ok(pb_gpu_upload(&FB.cot[k], 0, &hcot[k]), "upload cotangents");
+    FB.bytes = pb_tensor_bytes(&dA);
+    FB.a = pb_tensor_data(&dA);
+    FB.work = dalloc(FB.bytes);
+    FB.w = dalloc((size_t)n * pb_dtype_size(pb_dtype_real(d)));
+    double ts = timed_n(run_solver, NULL, reps), tf = timed_n(factor_fwd_gpu, NULL, reps),
+           tr = timed_n(factor_rev_gpu, NULL, reps);
+    printf("%s %s %ld×%ld: %s %.1f ms, forward %.1f ms: %.3f; reverse %.1f ms: %.3f of the forward", op,
+           pb_dtype_name(d), m, n, strncmp(op, "eigh", 4) ? "Xgesvd" : "Xsyevd", ts * 1e3, tf * 1e3, tf / ts,
+           tr * 1e3, tr / tf);
     if (cpu)
         printf("; CPU forward + reverse %.0f ms: the GPU %.1f× as fast", tcpu * 1e3, tcpu / (tf + tr));
     printf("\n");
-    pb_tapedata_clear(&EH.tape);
-    G->free(0, EH.work);
-    G->free(0, EH.w);
+    pb_tapedata_clear(&FB.tape);
+    G->free(0, FB.work);
+    G->free(0, FB.w);
     for (int i = 0; i < PB_MAX_IO; i++) {
-        pb_tensor_clear(&EH.cot[i]);
+        pb_tensor_clear(&FB.cot[i]);
         pb_tensor_clear(&hcot[i]);
     }
     pb_tensor_clear(&A);
@@ -479,9 +505,16 @@ int main(int argc, char **argv)
     bench_contract(PB_F64, quick ? 32 : 107);
     bench_contract(PB_C128, quick ? 24 : 90);
     bench_permute(quick ? 64 : 128);
-    bench_eigh(PB_F64, quick ? 64 : 4096, true);
-    bench_eigh(PB_F32, quick ? 64 : 4096, false);
-    bench_eigh(PB_C128, quick ? 48 : 4096, false);
+    /* issue 13's shapes, each solver a few seconds at most on an H200:
+     * the median of 3 */
+    long sq = quick ? 64 : 4096, tall = quick ? 96 : 8192, thin = quick ? 24 : 1024;
+    bench_factor("eigh_full", PB_F64, sq, sq, true, 3);
+    bench_factor("eigh_full", PB_F32, sq, sq, false, 3);
+    bench_factor("eigh_full", PB_C128, sq, sq, false, 3);
+    bench_factor("svd_compact", PB_F64, sq, sq, true, 3);
+    bench_factor("svd_compact", PB_F32, sq, sq, false, 3);
+    bench_factor("svd_compact", PB_F64, tall, thin, false, 3);
+    bench_factor("left_polar", PB_F64, tall, thin, false, 3);
     G->thread_fini();
     return 0;
 }

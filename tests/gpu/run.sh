@@ -92,6 +92,11 @@ with pullbackd.Client(sys.argv[1], timeout=120) as c:
         H = ((H + H.conj().T) / 2).astype(dtype)
         cases += [(op, {"A": H}, {"maxrank": 3} if op == "eigh_trunc" else {}, ["A"])
                   for op in ("eigh_full", "eigh_vals", "eigh_trunc")]
+        T = rng.standard_normal((7, 4)).astype(dtype) + (1j * rng.standard_normal((7, 4)) if cplx else 0)
+        T = T.astype(dtype)
+        cases += [(op, {"A": X}, {"maxrank": 2} if op == "svd_trunc" else {}, ["A"])
+                  for op in ("svd_compact", "svd_vals", "svd_trunc") for X in (T, T.T.copy())]
+        cases += [("left_polar", {"A": T}, {}, ["A"]), ("right_polar", {"A": T.T.copy()}, {}, ["A"])]
         if not cplx:
             cases.append(("fused_dense", {"weight": B.T.copy(), "x": A[0].T.copy(), "bias": B[:4, 0].copy()},
                           {"act": "gelu"}, ["weight", "x", "bias"]))
