@@ -316,9 +316,11 @@ int pb__fz_take(pb_tensor_t *dst, const pb_tensor_t *X, const int *sel, int r, b
             pb__fz_move(dt, d + (size_t)i * isz, src + (size_t)sel[i] * isz, (size_t)(e - i));
         else if (!rows)
             pb__fz_move(dt, d + (size_t)i * m * isz, src + (size_t)sel[i] * m * isz, (size_t)(e - i) * m);
-        else
-            for (int j = 0; j < n; j++)
-                pb__fz_move(dt, d + ((size_t)j * r + i) * isz, src + ((size_t)j * m + sel[i]) * isz, (size_t)(e - i));
+        else { /* rows i..e of every column: one strided pass */
+            pb_loop_t L = {.rank = 2, .dim = {(uint64_t)(e - i), (uint64_t)n}, .s = {{1, r}, {1, m}}};
+            pb_strided(dt, &L, d + (size_t)i * isz, src + (size_t)sel[i] * isz, false, (pb_scalar_t){1, 0}, NULL,
+                       (pb_scalar_t){0, 0}, false);
+        }
     }
     return 0;
 }
