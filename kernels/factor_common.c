@@ -135,10 +135,12 @@ void pb__fz_sized(pb_call_t *c, size_t tape, bool square)
     /* A's work copy and the solver's workspace, or the reverse's K, Y and
      * cotangent copies: a few matrices of A's size, or of the long side's
      * square for the ops that make one (counted on a GPU, whose requests
-     * reserve device memory up front) */
+     * reserve device memory up front; polar's reverse holds the most, 13
+     * of them with its cotangents and gradient, which this and the
+     * daemon's twice inputs and outputs cover) */
     const uint64_t s = m > n ? m : n;
     const bool long_square = square || c->op->variant == FZ_FULL || c->op->variant == FZ_NULL;
-    c->work_bytes = 6 * (long_square ? pb__fz_bytes(c->dtype, s, s) : pb__fz_bytes(c->dtype, m, n));
+    c->work_bytes = 7 * (long_square ? pb__fz_bytes(c->dtype, s, s) : pb__fz_bytes(c->dtype, m, n));
 }
 
 /* ---- the ends of forward and reverse ----------------------------------------- */

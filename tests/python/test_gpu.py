@@ -444,10 +444,11 @@ class DeviceCap(GpuCase):
         # The CPU has no such cap.
         self.c.forward("fused_dense", {"weight": W, "x": W})
         # eigh counts its temporaries too (A's copy, the solver's
-        # workspace): 2·(A + V) and 6·A, 12.8 MB at 400², 7.2 MB at 300².
+        # workspace): 2·(A + V) and 7·A, 14.1 MB at 400²; eigh_vals at
+        # 300², 2·A and 7·A, 6.5 MB.
         e = self.assertCode("resource_exhausted", self.c.forward, "eigh_full", {"A": np.eye(400)}, device="cuda")
         self.assertEqual(e.details.get("limit"), "max_device_bytes")
-        self.assertIn("may need 12", e.message)
+        self.assertIn("may need 14", e.message)
         np.testing.assert_array_equal(self.c.forward("eigh_vals", {"A": np.eye(300)}, device="cuda")["D"], 1.0)
 
 
@@ -498,7 +499,8 @@ class SolverOutOfMemory(GpuCase):
         """A solver that fails inside the op's body is the answer, not the
         zeros its outputs hold (the forward once downloaded them)."""
         A = np.diag([1.0, 2.0, 3.0, 4.0])
-        for op in ("eigh_vals", "eigh_full", "svd_vals", "svd_compact", "left_polar"):
+        for op in ("eigh_vals", "eigh_full", "eigh_trunc", "svd_vals", "svd_compact", "svd_trunc", "left_polar",
+                   "right_polar"):
             for order in "CF":
                 e = self.assertCode("resource_exhausted", self.c.forward, op, {"A": A}, order=order, device="cuda")
                 self.assertEqual(e.details.get("limit"), "device_memory", e.message)
