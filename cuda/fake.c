@@ -376,6 +376,8 @@ static int fake_sync(void)
 }
 
 static const size_t esize[4] = {4, 8, 8, 16};
+/* The size of the real dtype of each: eigen- and singular values. */
+static const size_t rsize[4] = {4, 8, 4, 8};
 
 /* The shadow of a column-major rows × cols operand with leading dimension
  * ld, after BLAS's checks. */
@@ -575,7 +577,7 @@ static int fake_fz(const pb_gpu_fz_t *k, double out[2])
     bool reduces = kind <= PB_GPU_FZ_HERM_GAP || kind == PB_GPU_FZ_EIGH_F || kind == PB_GPU_FZ_SVD_F;
     if (square && k->m != k->n)
         fake_abort("fz: kind %d needs a square matrix, given %d × %d", k->kind, k->m, k->n);
-    size_t es = esize[k->dtype], res = k->dtype == 2 ? 4 : k->dtype == 3 ? 8 : es;
+    size_t es = esize[k->dtype], res = rsize[k->dtype];
     pb_gpu_fz_t h = *k;
     double o[2] = {0, 1};
     if (reduces)
@@ -610,17 +612,36 @@ static int fake_fz(const pb_gpu_fz_t *k, double out[2])
     return 0;
 }
 
-static int fake_syevd(int dtype, int vectors, int n, void *a, int lda, void *w, int *info)
+/* A solver call's start: a stream call, the solver_oom injection, the
+ * dtype, info in host memory (the real backend copies it back). */
+static int solver_begin(const char *what, int dtype, const int *info)
 {
-    int rc = stream_call("syevd");
+    int rc = stream_call(what);
     if (rc)
         return rc;
     if (F.solver_oom)
-        return fail(PB_ENOMEM, "syevd: no device memory for the workspace (injected: solver_oom=1)");
+        return fail(PB_ENOMEM, "%s: no device memory for the workspace (injected: solver_oom=1)", what);
     if (dtype < 0 || dtype > 3)
-        fake_abort("syevd: dtype %d", dtype);
-    host_ptr(info, sizeof *info, "syevd info");
-    size_t es = esize[dtype], res = dtype == 2 ? 4 : dtype == 3 ? 8 : es;
+        fake_abort("%s: dtype %d", what, dtype);
+    host_ptr(info, sizeof *info, what);
+    return 0;
+}
+
+/* Its end: LAPACK's answer r as the solver's info (or solver_info's). */
+static int solver_end(const char *what, int r, int *info)
+{
+    if (r < 0) /* cuSOLVER checks its arguments too: a bad one is ours */
+        fake_abort("%s: argument %d rejected", what, -r);
+    *info = F.solver_info ? F.solver_info : r;
+    return 0;
+}
+
+static int fake_syevd(int dtype, int vectors, int n, void *a, int lda, void *w, int *info)
+{
+    int rc = solver_begin("syevd", dtype, info);
+    if (rc)
+        return rc;
+    size_t es = esize[dtype], res = rsize[dtype];
     size_t ab = mat_bytes(n, n, lda, es, "syevd a");
     if (n == 0) {
         *info = 0;
@@ -635,26 +656,18 @@ static int fake_syevd(int dtype, int vectors, int n, void *a, int lda, void *w, 
                          : LAPACKE_zheevd(LAPACK_COL_MAJOR, job, 'L', n, (lapack_complex_double *)sa, lda,
                                           (double *)sw);
     pb_exec_resume(gpu);
-    if (r < 0) /* cuSOLVER checks its arguments too: a bad one is ours */
-        fake_abort("syevd: argument %d rejected", -r);
-    *info = F.solver_info ? F.solver_info : r;
-    return 0;
+    return solver_end("syevd", r, info);
 }
 
 static int fake_gesvd(int dtype, int vectors, int m, int n, void *a, int lda, void *s, void *u, int ldu, void *vt,
                       int ldvt, int *info)
 {
-    int rc = stream_call("gesvd");
+    int rc = solver_begin("gesvd", dtype, info);
     if (rc)
         return rc;
-    if (F.solver_oom)
-        return fail(PB_ENOMEM, "gesvd: no device memory for the workspace (injected: solver_oom=1)");
-    if (dtype < 0 || dtype > 3)
-        fake_abort("gesvd: dtype %d", dtype);
     if (m < n) /* cuSOLVER's gesvd: m >= n only */
         fake_abort("gesvd: %d × %d is wide: cuSOLVER's gesvd takes m >= n", m, n);
-    host_ptr(info, sizeof *info, "gesvd info");
-    size_t es = esize[dtype], res = dtype == 2 ? 4 : dtype == 3 ? 8 : es;
+    size_t es = esize[dtype], res = rsize[dtype];
     size_t ab = mat_bytes(m, n, lda, es, "gesvd a");
     if (!vectors && (u || vt))
         fake_abort("gesvd: vectors given without vectors asked");
@@ -683,10 +696,7 @@ static int fake_gesvd(int dtype, int vectors, int m, int n, void *a, int lda, vo
                                           lv, superb);
     pb_exec_resume(gpu);
     free(superb);
-    if (r < 0)
-        fake_abort("gesvd: argument %d rejected", -r);
-    *info = F.solver_info ? F.solver_info : r;
-    return 0;
+    return solver_end("gesvd", r, info);
 }
 
 static const char *fake_last_error(void)
